@@ -1,0 +1,153 @@
+"""Configuration of the synchronisation between replicas.
+
+One pydantic model holds every knob of ALGORITHMS.md (H, P, tau, alpha, the outer
+optimizer, the codecs, the aggregator's quorum), validates on construction and says
+which field is wrong and what is allowed. The names follow the papers' symbols in
+their docstrings so a reader can map them: ``sync_every`` is H, ``fragments`` is P,
+``overlap`` is tau.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from storage.codecs import CODEC_NAMES, CodecSpec
+
+Mode = Literal["diloco", "streaming", "eager"]
+EagerRule = Literal["adaptive", "pure"]
+Pattern = Literal["strided", "sequential"]
+
+# Outer optimizer defaults per mode (ALGORITHMS.md sections 1 and 4). Blocking and
+# streaming use DiLoCo's 0.7 / 0.9. Stale updates and outer momentum do not mix
+# (measured: pure eager with momentum 0.9 is 16% behind data-parallel, with 0.5 or
+# with momentum 0 and lr 1.0 about 7%), so eager mode defaults to momentum 0.5.
+OUTER_DEFAULTS: dict[str, tuple[float, float]] = {
+    "diloco": (0.7, 0.9),
+    "streaming": (0.7, 0.9),
+    "eager": (0.7, 0.5),
+}
+
+_LOW_BIT_CODECS = {"int4", "fp4-e3m0"}
+
+
+class SyncConfig(BaseModel):
+    """How replicas synchronise: schedule, outer optimizer, codecs, quorum.
+
+    - ``mode``: ``diloco`` (blocking: send and wait every H steps), ``streaming``
+      (P staggered fragments, sent ``overlap`` steps before their merge), ``eager``
+      (never wait for this round's mean; ``eager_rule`` picks adaptive or pure).
+    - ``sync_every`` (H): inner steps between two syncs of the same fragment.
+    - ``fragments`` (P): how many fragments the model is split into.
+    - ``overlap`` (tau): steps between a fragment's send and its merge.
+    - ``alpha``: merge weight of the local side, ``lerp(theta_new, theta_m, alpha)``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Mode = "streaming"
+    eager_rule: EagerRule = "adaptive"
+    sync_every: int = Field(default=50, description="H: inner steps per round of a fragment")
+    fragments: int = Field(default=1, description="P: number of fragments")
+    overlap: int = Field(default=0, description="tau: steps a fragment is in flight")
+    alpha: float = Field(default=0.5, description="merge weight of the local side")
+    pattern: Pattern = "strided"
+    separate_rest: bool = Field(
+        default=False,
+        description="parameters outside the repeated blocks form a fragment of their own",
+    )
+    outer_lr: float | None = Field(default=None, description="eta_out; default per mode")
+    outer_momentum: float | None = Field(default=None, description="mu; default per mode")
+    codec_up: str = "none"
+    codec_down: str = "none"
+    block_size: int = 128
+    error_feedback: bool | None = Field(
+        default=None, description="default: on for 4-bit codecs and below"
+    )
+    quorum: float = Field(
+        default=1.0, description="share of active workers a round needs after the deadline"
+    )
+    deadline_s: float = Field(
+        default=600.0, description="seconds the aggregator waits for every worker"
+    )
+    poll_interval_s: float = Field(default=0.05, description="first poll delay for a mean")
+
+    @model_validator(mode="after")
+    def _check(self) -> SyncConfig:
+        h, p, tau = self.sync_every, self.fragments, self.overlap
+        if h < 1:
+            raise ValueError(f"sync_every (H) must be >= 1, got {h}")
+        if p < 1:
+            raise ValueError(f"fragments (P) must be >= 1, got {p}")
+        if p > h:
+            raise ValueError(f"fragments (P) must be <= sync_every (H) = {h}, got {p}")
+        if h % p:
+            raise ValueError(
+                f"sync_every (H) must be divisible by fragments (P): H = {h}, P = {p}"
+            )
+        if not 0 <= tau < h // p:
+            raise ValueError(
+                f"overlap (tau) must satisfy 0 <= tau < H/P = {h // p}, got {tau}"
+            )
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if self.mode == "diloco" and tau != 0:
+            raise ValueError(f"overlap (tau) must be 0 in mode 'diloco' (blocking), got {tau}")
+        for field in ("codec_up", "codec_down"):
+            value = getattr(self, field)
+            if value not in CODEC_NAMES:
+                raise ValueError(
+                    f"{field} must be one of {', '.join(CODEC_NAMES)}; got {value!r}"
+                )
+        if self.outer_lr is not None and not self.outer_lr > 0:
+            raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
+        if self.outer_momentum is not None and not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if not 0.0 < self.quorum <= 1.0:
+            raise ValueError(f"quorum must be in (0, 1], got {self.quorum}")
+        if self.deadline_s < 0:
+            raise ValueError(f"deadline_s must be >= 0, got {self.deadline_s}")
+        CodecSpec(self.codec_up, self.block_size)  # validates block_size
+        return self
+
+    @property
+    def eta(self) -> float:
+        """The outer learning rate in force (explicit, or the mode's default)."""
+        return self.outer_lr if self.outer_lr is not None else OUTER_DEFAULTS[self.mode][0]
+
+    @property
+    def mu(self) -> float:
+        """The outer momentum in force (explicit, or the mode's default)."""
+        if self.outer_momentum is not None:
+            return self.outer_momentum
+        return OUTER_DEFAULTS[self.mode][1]
+
+    @property
+    def up(self) -> CodecSpec:
+        return CodecSpec(self.codec_up, self.block_size)
+
+    @property
+    def down(self) -> CodecSpec:
+        return CodecSpec(self.codec_down, self.block_size)
+
+    def feedback(self, codec: str) -> bool:
+        """Whether error feedback is on for a payload sent with ``codec``."""
+        if self.error_feedback is not None:
+            return self.error_feedback and codec != "none"
+        return codec in _LOW_BIT_CODECS
+
+    @property
+    def send_offset(self) -> int:
+        """Steps between a fragment's send and its merge (pure eager sends at the merge)."""
+        if self.mode == "eager" and self.eager_rule == "pure":
+            return 0
+        return self.overlap
+
+    @property
+    def merge_alpha(self) -> float:
+        """The alpha the merge really uses: blocking DiLoCo and pure eager set the live
+        fragment to the new outer value (alpha 0)."""
+        if self.mode == "diloco" or (self.mode == "eager" and self.eager_rule == "pure"):
+            return 0.0
+        return self.alpha

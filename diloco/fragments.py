@@ -1,0 +1,221 @@
+"""Splitting a model into fragments.
+
+A fragment is an ordered list of named parameters that syncs as one flat float32
+vector. The model's repeated blocks (the first ``nn.ModuleList`` found, or the one
+named) are assigned to fragments ``strided`` (block i goes to fragment i % P) or
+``sequential`` (runs of consecutive blocks). Parameters outside the blocks join
+fragment 0, or form a fragment of their own (counted in P) with ``separate_rest``.
+Explicit lists of parameter names are accepted too.
+
+The plan's ``describe()`` output is what the run manifest stores, so a worker whose
+model does not match the run fails with a message naming the parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """One fragment: parameters in a fixed order, flattened into one vector."""
+
+    index: int
+    params: tuple[ParamSpec, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.params]
+
+
+class FragmentPlan:
+    """The fragments of one model, with flatten / unflatten helpers."""
+
+    def __init__(self, fragments: Sequence[Fragment]):
+        self.fragments = list(fragments)
+
+    def __len__(self) -> int:
+        return len(self.fragments)
+
+    def __getitem__(self, index: int) -> Fragment:
+        return self.fragments[index]
+
+    def describe(self) -> list[dict]:
+        """JSON-able description for the run manifest."""
+        return [
+            {
+                "index": f.index,
+                "numel": f.numel,
+                "params": [{"name": p.name, "shape": list(p.shape)} for p in f.params],
+            }
+            for f in self.fragments
+        ]
+
+    def check_against(self, described: list[dict]) -> None:
+        """Raise ValueError naming the first difference from a manifest's fragment map."""
+        mine = self.describe()
+        if len(mine) != len(described):
+            raise ValueError(
+                f"the model has {len(mine)} fragments but the run has {len(described)}"
+            )
+        for a, b in zip(mine, described, strict=True):
+            pa = [(p["name"], list(p["shape"])) for p in a["params"]]
+            pb = [(p["name"], list(p["shape"])) for p in b["params"]]
+            if pa != pb:
+                for x, y in zip(pa, pb, strict=False):
+                    if x != y:
+                        raise ValueError(
+                            f"fragment {a['index']}: the model has parameter {x[0]} {x[1]} "
+                            f"where the run has {y[0]} {y[1]}"
+                        )
+                raise ValueError(
+                    f"fragment {a['index']}: the model has {len(pa)} parameters, "
+                    f"the run {len(pb)}"
+                )
+
+    def gather(self, model: nn.Module, index: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Fragment ``index`` of ``model`` as a flat float32 CPU vector."""
+        frag = self.fragments[index]
+        named = dict(model.named_parameters())
+        if out is None:
+            out = torch.empty(frag.numel, dtype=torch.float32)
+        offset = 0
+        with torch.no_grad():
+            for spec in frag.params:
+                n = spec.numel
+                out[offset : offset + n].copy_(named[spec.name].detach().reshape(-1))
+                offset += n
+        return out
+
+    def scatter(self, model: nn.Module, index: int, flat: torch.Tensor) -> None:
+        """Write a flat vector into fragment ``index`` of ``model`` (any device/dtype)."""
+        frag = self.fragments[index]
+        named = dict(model.named_parameters())
+        offset = 0
+        with torch.no_grad():
+            for spec in frag.params:
+                n = spec.numel
+                p = named[spec.name]
+                p.copy_(flat[offset : offset + n].view(spec.shape))
+                offset += n
+
+
+def find_blocks(model: nn.Module, attr: str | None = None) -> tuple[str, nn.ModuleList] | None:
+    """The model's repeated blocks: the ModuleList at ``attr``, or the first one found."""
+    if attr is not None:
+        mod = model.get_submodule(attr)
+        if not isinstance(mod, nn.ModuleList):
+            raise ValueError(f"blocks attribute {attr!r} is not an nn.ModuleList")
+        return attr, mod
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            return name, mod
+    return None
+
+
+def plan_fragments(
+    model: nn.Module,
+    num_fragments: int,
+    *,
+    pattern: str = "strided",
+    separate_rest: bool = False,
+    blocks_attr: str | None = None,
+    explicit: Sequence[Sequence[str]] | None = None,
+) -> FragmentPlan:
+    """Split ``model`` into ``num_fragments`` fragments (see the module docstring)."""
+    named = dict(model.named_parameters())
+    order = {name: i for i, name in enumerate(named)}
+
+    def spec(name: str) -> ParamSpec:
+        return ParamSpec(name, tuple(named[name].shape))
+
+    if explicit is not None:
+        if len(explicit) != num_fragments:
+            raise ValueError(
+                f"explicit fragments: {len(explicit)} lists given for fragments (P) = "
+                f"{num_fragments}"
+            )
+        seen: set[str] = set()
+        frags = []
+        for i, names in enumerate(explicit):
+            for n in names:
+                if n not in named:
+                    raise ValueError(f"explicit fragments: no parameter named {n!r}")
+                if n in seen:
+                    raise ValueError(f"explicit fragments: parameter {n!r} listed twice")
+                seen.add(n)
+            if not names:
+                raise ValueError(f"explicit fragments: fragment {i} is empty")
+            frags.append(Fragment(i, tuple(spec(n) for n in names)))
+        missing = [n for n in named if n not in seen]
+        if missing:
+            raise ValueError(f"explicit fragments: parameters in no fragment: {missing}")
+        return FragmentPlan(frags)
+
+    if pattern not in ("strided", "sequential"):
+        raise ValueError(f"pattern must be 'strided' or 'sequential', got {pattern!r}")
+    found = find_blocks(model, blocks_attr)
+    block_groups: list[list[str]] = []
+    in_blocks: set[str] = set()
+    if found is not None:
+        prefix, blocks = found
+        for i, block in enumerate(blocks):
+            names = [f"{prefix}.{i}.{n}" for n, _ in block.named_parameters()]
+            names = [n for n in names if n in named]  # tied/shared params appear once
+            block_groups.append(names)
+            in_blocks.update(names)
+    rest = [n for n in named if n not in in_blocks]
+
+    n_block_frags = num_fragments - (1 if separate_rest else 0)
+    if n_block_frags < 1 or (block_groups and n_block_frags > len(block_groups)):
+        raise ValueError(
+            f"fragments (P) = {num_fragments} does not fit a model with "
+            f"{len(block_groups)} repeated blocks"
+            + (" and a separate rest fragment" if separate_rest else "")
+        )
+    if not block_groups and num_fragments != 1:
+        raise ValueError(
+            f"the model has no repeated blocks (nn.ModuleList), so fragments (P) must be 1 "
+            f"or explicit lists; got {num_fragments}"
+        )
+
+    groups: list[list[str]] = [[] for _ in range(n_block_frags)]
+    nb = len(block_groups)
+    for i, names in enumerate(block_groups):
+        if pattern == "strided":
+            f = i % n_block_frags
+        else:
+            f = i * n_block_frags // nb
+        groups[f].extend(names)
+    if separate_rest:
+        groups.insert(0, rest)
+    else:
+        groups[0] = rest + groups[0] if block_groups else rest
+    frags = []
+    for i, names in enumerate(groups):
+        if not names:
+            raise ValueError(f"fragment {i} would be empty")
+        names = sorted(names, key=order.__getitem__)
+        frags.append(Fragment(i, tuple(spec(n) for n in names)))
+    return FragmentPlan(frags)

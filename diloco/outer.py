@@ -1,0 +1,46 @@
+"""Outer state of one fragment: its outer parameters and Nesterov momentum.
+
+Workers and the aggregator both keep this state on the CPU in float32 and step it
+with ``torch.optim.SGD(lr, momentum, nesterov=True)`` fed the decoded mean as
+``.grad`` (ALGORITHMS.md section 1). Same input bytes and same kernels: every party
+that applies the same means computes the same bits, which the tests check.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class OuterState:
+    """theta_out[p] and the SGD-Nesterov optimizer that moves it."""
+
+    def __init__(self, params: torch.Tensor, lr: float, momentum: float):
+        self.params = params.detach().to(dtype=torch.float32, device="cpu").clone()
+        self.lr = lr
+        self.momentum = momentum
+        self._opt = torch.optim.SGD(
+            [self.params], lr=lr, momentum=momentum, nesterov=momentum > 0, foreach=False
+        )
+
+    def step(self, grad: torch.Tensor) -> torch.Tensor:
+        """One outer step with outer gradient ``grad`` ("old minus new"); returns the
+        new outer parameters (the state's own tensor, do not modify)."""
+        self.params.grad = grad.to(dtype=torch.float32, device="cpu")
+        self._opt.step()
+        self.params.grad = None
+        return self.params
+
+    @property
+    def momentum_buffer(self) -> torch.Tensor | None:
+        state = self._opt.state.get(self.params, {})
+        return state.get("momentum_buffer")
+
+    def load(self, params: torch.Tensor, momentum_buffer: torch.Tensor | None) -> None:
+        """Restore from a checkpoint (``None``: no outer step taken yet)."""
+        with torch.no_grad():
+            self.params.copy_(params)
+        self._opt.state.clear()
+        if momentum_buffer is not None:
+            self._opt.state[self.params]["momentum_buffer"] = (
+                momentum_buffer.detach().to(torch.float32).clone()
+            )

@@ -1,0 +1,134 @@
+"""Creating and opening a run: the manifest plus the initial canonical parameters.
+
+Every worker starts from the parameters stored here, not from its own random
+initialisation, so replicas in different regions begin bit-identical.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from diloco.config import SyncConfig
+from diloco.fragments import FragmentPlan, plan_fragments
+from diloco.schedule import Schedule
+from storage import layout
+from storage.checkpoints import committed_keys, read_checkpoint, write_checkpoint
+from storage.errors import ManifestInvalid, ObjectMissing
+from storage.exchange import Exchange
+from storage.objectstore import ObjectStore
+from storage.spec import CodecEntry, RunManifest, create_run, open_run
+
+
+def _store(url_or_store: str | ObjectStore, storage_options: dict | None) -> ObjectStore:
+    if isinstance(url_or_store, ObjectStore):
+        return url_or_store
+    return ObjectStore(url_or_store, storage_options=storage_options)
+
+
+def plan_for(model: nn.Module, config: SyncConfig, **kwargs: Any) -> FragmentPlan:
+    """The fragment plan the config asks for (pattern, P, separate rest)."""
+    return plan_fragments(
+        model,
+        config.fragments,
+        pattern=config.pattern,
+        separate_rest=config.separate_rest,
+        **kwargs,
+    )
+
+
+def new_run(
+    url_or_store: str | ObjectStore,
+    model: nn.Module,
+    config: SyncConfig,
+    *,
+    workers: Sequence[str],
+    total_steps: int,
+    plan: FragmentPlan | None = None,
+    run_id: str | None = None,
+    user_config: dict[str, Any] | None = None,
+    storage_options: dict | None = None,
+) -> Exchange:
+    """Create a run at ``url_or_store`` from ``model``'s current parameters.
+
+    Raises RunExists if a run is already there. Returns an Exchange on the new run.
+    """
+    store = _store(url_or_store, storage_options)
+    plan = plan or plan_for(model, config)
+    schedule = Schedule(config.sync_every, config.fragments, config.send_offset)
+    manifest = RunManifest(
+        run_id=run_id or store.url.rstrip("/").rsplit("/", 1)[-1] or uuid.uuid4().hex[:8],
+        workers=list(workers),
+        total_steps=total_steps,
+        rounds=schedule.rounds_in_run(total_steps, config.merge_alpha),
+        codec_up=CodecEntry(name=config.codec_up, block_size=config.block_size),
+        codec_down=CodecEntry(name=config.codec_down, block_size=config.block_size),
+        fragments=plan.describe(),
+        sync=config.model_dump(),
+        config=user_config or {},
+    )
+    # Initial parameters first, the manifest last: a run is visible only when whole.
+    for p in range(len(plan)):
+        write_checkpoint(
+            store,
+            layout.global_init(p),
+            f"{layout.global_init(p)}.json",
+            {"params": plan.gather(model, p).numpy()},
+            {"fragment": p},
+        )
+    create_run(store, manifest)
+    return Exchange(store, manifest)
+
+
+def open_exchange(url_or_store: str | ObjectStore, storage_options: dict | None = None) -> Exchange:
+    """Open an existing run (validating its manifest)."""
+    store = _store(url_or_store, storage_options)
+    return Exchange(store, open_run(store))
+
+
+def load_initial(exchange: Exchange, fragments: int) -> list[torch.Tensor]:
+    """The run's initial canonical parameters, one flat float32 vector per fragment."""
+    out = []
+    for p in range(fragments):
+        key = f"{layout.global_init(p)}.json"
+        try:
+            arrays, _ = read_checkpoint(exchange.store, key)
+        except ObjectMissing as exc:
+            raise ManifestInvalid(
+                f"run {exchange.manifest.run_id}: initial parameters of fragment {p} are "
+                f"missing ({exchange.store.full_url(key)})"
+            ) from exc
+        out.append(torch.from_numpy(arrays["params"].copy()))
+    return out
+
+
+def latest_global(exchange: Exchange, fragment: int) -> tuple[int, str] | None:
+    """(round, commit key) of the newest canonical checkpoint of ``fragment``."""
+    keys = committed_keys(exchange.store, layout.global_states(fragment))
+    best = None
+    for key in keys:
+        r = layout.parse_round(key.rsplit("/", 1)[-1][: -len(".json")])
+        if r is not None and (best is None or r > best[0]):
+            best = (r, key)
+    return best
+
+
+def load_canonical(exchange: Exchange, plan: FragmentPlan, model: nn.Module) -> list[int]:
+    """Load the newest canonical parameters into ``model``; returns the number of
+    rounds applied per fragment (0 where only the initial parameters exist)."""
+    init = load_initial(exchange, len(plan))
+    applied = []
+    for p in range(len(plan)):
+        latest = latest_global(exchange, p)
+        if latest is None:
+            plan.scatter(model, p, init[p])
+            applied.append(0)
+        else:
+            arrays, _ = read_checkpoint(exchange.store, latest[1])
+            plan.scatter(model, p, torch.from_numpy(arrays["params"].copy()))
+            applied.append(latest[0] + 1)
+    return applied

@@ -1,0 +1,143 @@
+"""Immutable zarr arrays in an object store, verified on read.
+
+An array is encoded in memory with zarr (our block codecs or plain bytes, always
+with a crc32c per chunk), uploaded object by object through the ObjectStore (so
+bytes are counted and transient errors retried), and described by a small record:
+the objects written with their sizes and sha256. Readers fetch exactly the objects
+in the record and check sizes and hashes before zarr decodes anything: with zarr
+3.1 a missing chunk silently reads as the fill value, so presence is never inferred
+from a zarr read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.core.buffer import default_buffer_prototype
+from zarr.storage import MemoryStore
+
+from storage.codecs import CodecSpec, zarr_array_codecs
+from storage.errors import (
+    CorruptObject,
+    NonFiniteValues,
+    ObjectMissing,
+    PartialObject,
+    ShapeMismatch,
+)
+from storage.objectstore import ObjectStore
+
+# Largest chunk in elements; payloads above it are split so uploads run in parallel.
+MAX_CHUNK = 1 << 26
+
+
+def _chunks(shape: tuple[int, ...], spec: CodecSpec | None) -> tuple[int, ...]:
+    if len(shape) != 1 or shape[0] <= MAX_CHUNK:
+        return tuple(max(1, d) for d in shape) if shape else ()
+    b = spec.block_size if spec is not None else 1
+    return (b * math.ceil(MAX_CHUNK / b),)
+
+
+def encode_array(
+    prefix: str, x: np.ndarray, codec: CodecSpec | None = None
+) -> tuple[dict[str, bytes], dict[str, dict[str, Any]], np.ndarray]:
+    """Encode ``x`` as a zarr array in memory: (objects by key, record, decoded value).
+
+    With ``codec`` (a 1-D float32 outer gradient), the decoded value is what every
+    reader will get back, which the caller needs for error feedback. Without it the
+    array is stored losslessly in its own dtype (checkpoints).
+    """
+    x = np.ascontiguousarray(x)
+    if codec is not None:
+        if x.ndim != 1 or x.dtype != np.float32:
+            raise ValueError(f"coded arrays are 1-D float32, got {x.dtype} {x.shape}")
+        kwargs = zarr_array_codecs(codec)
+    else:
+        kwargs = {"compressors": [zarr.codecs.Crc32cCodec()]}
+    objects: dict = {}
+    arr = zarr.create_array(
+        store=MemoryStore(objects),
+        shape=x.shape,
+        chunks=_chunks(x.shape, codec),
+        dtype=x.dtype,
+        fill_value=0,
+        config={"write_empty_chunks": True},
+        **kwargs,
+    )
+    arr[...] = x
+    decoded = np.asarray(arr[...]) if codec is not None else x
+    blobs = {f"{prefix}/{k}": v.to_bytes() for k, v in objects.items()}
+    record = {
+        k[len(prefix) + 1 :]: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()}
+        for k, b in blobs.items()
+    }
+    return blobs, record, decoded
+
+
+def write_array(
+    store: ObjectStore, prefix: str, x: np.ndarray, codec: CodecSpec | None = None
+) -> tuple[dict[str, dict[str, Any]], np.ndarray]:
+    """Encode ``x`` (see :func:`encode_array`) and upload it under ``prefix``."""
+    blobs, record, decoded = encode_array(prefix, x, codec)
+    store.put_many(blobs)
+    return record, decoded
+
+
+def read_array(
+    store: ObjectStore,
+    prefix: str,
+    record: dict[str, dict[str, Any]],
+    *,
+    shape: tuple[int, ...] | None = None,
+    dtype: np.dtype | str | None = None,
+    finite: bool = False,
+    what: str = "",
+) -> np.ndarray:
+    """Fetch, verify and decode the array written by :func:`write_array`.
+
+    ``what`` names the object in error messages (e.g. "delta of worker w1 for
+    fragment 0 round 3"). Raises PartialObject, CorruptObject, ShapeMismatch or
+    NonFiniteValues; never returns data that failed a check.
+    """
+    label = what or store.full_url(prefix)
+    if "zarr.json" not in record:
+        raise CorruptObject(f"{label}: its record lists no zarr.json ({store.full_url(prefix)})")
+    keys = [f"{prefix}/{k}" for k in record]
+    try:
+        blobs = store.get_many(keys)
+    except ObjectMissing as exc:
+        raise PartialObject(f"{label}: a part is missing: {exc}") from exc
+    proto = default_buffer_prototype().buffer
+    contents = {}
+    for name, meta in record.items():
+        key = f"{prefix}/{name}"
+        data = blobs.get(key)
+        if data is None:
+            raise PartialObject(f"{label}: part {store.full_url(key)} is missing")
+        if len(data) != meta["size"]:
+            raise PartialObject(
+                f"{label}: part {store.full_url(key)} has {len(data)} bytes, "
+                f"its commit says {meta['size']}"
+            )
+        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            raise CorruptObject(f"{label}: part {store.full_url(key)} fails its sha256 check")
+        contents[name] = proto.from_bytes(data)
+    try:
+        arr = zarr.open_array(store=MemoryStore(contents, read_only=True), mode="r")
+    except Exception as exc:
+        raise CorruptObject(f"{label}: not a readable zarr array: {exc}") from exc
+    if shape is not None and tuple(arr.shape) != tuple(shape):
+        raise ShapeMismatch(f"{label}: shape {tuple(arr.shape)}, expected {tuple(shape)}")
+    if dtype is not None and np.dtype(arr.dtype) != np.dtype(dtype):
+        raise ShapeMismatch(f"{label}: dtype {arr.dtype}, expected {np.dtype(dtype)}")
+    try:
+        out = np.asarray(arr[...])
+    except Exception as exc:
+        raise CorruptObject(f"{label}: cannot be decoded: {exc}") from exc
+    if finite and not np.isfinite(out).all():
+        bad = int((~np.isfinite(out)).sum())
+        raise NonFiniteValues(f"{label}: {bad} NaN or Inf values; it is not applied")
+    return out

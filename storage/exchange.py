@@ -1,0 +1,285 @@
+"""The exchange protocol: publish, commit, discover and fetch outer gradients and means.
+
+A worker's outer gradient for (fragment, round) is written as a zarr array under a
+fresh nonce, then made visible by a create-only commit record naming it. The
+aggregator lists the commit records of a round, fetches and verifies each
+contribution, and publishes the mean the same way: whoever creates ``mean.json``
+first wins, and a loser adopts the winner's mean, so there is exactly one mean per
+(fragment, round) even when two aggregators race. Nothing is ever overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+
+from storage import layout
+from storage.arrays import encode_array, read_array, write_array
+from storage.errors import CorruptObject, ObjectMissing, ShapeMismatch, StoreError
+from storage.objectstore import ObjectStore
+from storage.spec import RunManifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """An outer gradient encoded in memory, ready to upload."""
+
+    fragment: int
+    round: int
+    worker: str
+    payload: str
+    blobs: dict[str, bytes]
+    record: dict[str, dict[str, Any]]
+    decoded: np.ndarray
+
+
+@dataclass
+class Published:
+    """The outcome of a publish: the decoded value in force and its commit record.
+
+    ``created`` is False when an earlier commit existed (a restarted worker, or an
+    aggregator that lost a race); ``decoded`` is then the committed value.
+    """
+
+    decoded: np.ndarray
+    commit: dict[str, Any]
+    created: bool
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def _nonce() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+class Exchange:
+    """Reads and writes one run's outer gradients and means (numpy in, numpy out)."""
+
+    def __init__(self, store: ObjectStore, manifest: RunManifest):
+        self.store = store
+        self.manifest = manifest
+        self.up = manifest.codec_up.spec()
+        self.down = manifest.codec_down.spec()
+
+    # -- helpers -----------------------------------------------------------------
+    def _check_fragment(self, fragment: int, round: int) -> None:
+        if not 0 <= fragment < len(self.manifest.fragments):
+            raise ValueError(
+                f"fragment {fragment} is not in the run (0..{len(self.manifest.fragments) - 1})"
+            )
+        if round < 0:
+            raise ValueError(f"round must be >= 0, got {round}")
+
+    def _check_vector(self, fragment: int, x: np.ndarray, what: str) -> None:
+        n = self.manifest.numel(fragment)
+        if x.dtype != np.float32 or x.shape != (n,):
+            raise ShapeMismatch(
+                f"{what}: expected float32 of shape ({n},), got {x.dtype} {x.shape}"
+            )
+
+    def _read_json(self, key: str) -> dict[str, Any]:
+        raw = self.store.get(key)
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise CorruptObject(f"{self.store.full_url(key)} is not valid JSON") from exc
+
+    # -- worker side ----------------------------------------------------------------
+    def prepare_delta(self, fragment: int, round: int, worker: str, x: np.ndarray) -> Prepared:
+        """Encode an outer gradient in memory, without any I/O.
+
+        Split from the upload so that a worker gets the decoded value (needed for
+        error feedback and the eager rule) as soon as encoding is done, while the
+        bytes are still on their way.
+        """
+        self._check_fragment(fragment, round)
+        layout.check_name("worker", worker)
+        what = f"delta of worker {worker} for fragment {fragment} round {round}"
+        self._check_vector(fragment, x, what)
+        payload = layout.delta_payload(fragment, round, worker, _nonce())
+        blobs, record, decoded = encode_array(payload, x, self.up)
+        return Prepared(fragment, round, worker, payload, blobs, record, decoded)
+
+    def publish_prepared(
+        self, prepared: Prepared, *, tokens: int, extra: dict[str, Any] | None = None
+    ) -> Published:
+        """Upload and commit a prepared outer gradient.
+
+        If the worker already committed this round (it was restarted), the committed
+        value is returned instead, so the worker goes on with what the aggregator sees.
+        """
+        p, r, worker = prepared.fragment, prepared.round, prepared.worker
+        what = f"delta of worker {worker} for fragment {p} round {r}"
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        commit_key = layout.delta_commit(p, r, worker)
+        if self.store.exists(commit_key):
+            log.warning("%s: committed already by an earlier attempt; adopting it", what)
+            value, commit = self.fetch_delta(p, r, worker)
+            return Published(value, commit, False)
+        self.store.put_many(prepared.blobs)
+        commit = {
+            "kind": "delta",
+            "run": self.manifest.run_id,
+            "fragment": p,
+            "round": r,
+            "worker": worker,
+            "tokens": int(tokens),
+            "numel": int(prepared.decoded.size),
+            "codec": {"name": self.up.name, "block_size": self.up.block_size},
+            "payload": prepared.payload,
+            "objects": prepared.record,
+            "created": _now(),
+            **(extra or {}),
+        }
+        if self.store.put_if_absent(commit_key, json.dumps(commit, sort_keys=True).encode()):
+            return Published(prepared.decoded, commit, True)
+        log.warning("%s: committed already by an earlier attempt; adopting it", what)
+        value, commit = self.fetch_delta(p, r, worker)
+        return Published(value, commit, False)
+
+    def publish_delta(
+        self,
+        fragment: int,
+        round: int,
+        worker: str,
+        x: np.ndarray,
+        *,
+        tokens: int,
+        extra: dict[str, Any] | None = None,
+    ) -> Published:
+        """Encode, upload and commit worker ``worker``'s outer gradient."""
+        prepared = self.prepare_delta(fragment, round, worker, x)
+        return self.publish_prepared(prepared, tokens=tokens, extra=extra)
+
+    def mean_commit(self, fragment: int, round: int) -> dict[str, Any] | None:
+        """The mean's commit record, or None while no mean is committed."""
+        try:
+            return self._read_json(layout.mean_commit(fragment, round))
+        except ObjectMissing:
+            return None
+
+    def fetch_mean(self, fragment: int, round: int) -> tuple[np.ndarray, dict[str, Any]] | None:
+        """The decoded, verified mean of (fragment, round), or None if not committed."""
+        self._check_fragment(fragment, round)
+        commit = self.mean_commit(fragment, round)
+        if commit is None:
+            return None
+        what = f"mean of fragment {fragment} round {round}"
+        value = read_array(
+            self.store,
+            commit["payload"],
+            commit["objects"],
+            shape=(self.manifest.numel(fragment),),
+            dtype=np.float32,
+            finite=True,
+            what=what,
+        )
+        return value, commit
+
+    # -- aggregator side ----------------------------------------------------------
+    def committed_workers(self, fragment: int, round: int) -> list[str]:
+        """Workers whose outer gradient for (fragment, round) is committed, sorted."""
+        prefix = layout.delta_commits(fragment, round)
+        names = []
+        for key in self.store.list(prefix):
+            name = key.rsplit("/", 1)[-1]
+            if name.endswith(".json"):
+                names.append(name[: -len(".json")])
+        return sorted(names)
+
+    def delta_commit(self, fragment: int, round: int, worker: str) -> dict[str, Any]:
+        return self._read_json(layout.delta_commit(fragment, round, worker))
+
+    def fetch_delta(
+        self, fragment: int, round: int, worker: str
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        """Fetch and verify one committed contribution. Raises a StoreError subclass
+        (PartialObject, CorruptObject, ShapeMismatch, NonFiniteValues) if it is bad."""
+        what = f"delta of worker {worker} for fragment {fragment} round {round}"
+        commit = self.delta_commit(fragment, round, worker)
+        n = self.manifest.numel(fragment)
+        if commit.get("numel") != n:
+            raise ShapeMismatch(f"{what}: {commit.get('numel')} values, the run expects {n}")
+        codec = commit.get("codec", {})
+        if codec.get("name") != self.up.name or codec.get("block_size") != self.up.block_size:
+            raise CorruptObject(f"{what}: codec {codec}, the run uses {self.up}")
+        value = read_array(
+            self.store, commit["payload"], commit["objects"],
+            shape=(n,), dtype=np.float32, finite=True, what=what,
+        )
+        return value, commit
+
+    def publish_mean(
+        self,
+        fragment: int,
+        round: int,
+        writer: str,
+        x: np.ndarray,
+        *,
+        weights: dict[str, float],
+        extra: dict[str, Any] | None = None,
+    ) -> Published:
+        """Encode and commit the mean of (fragment, round), exactly once per run.
+
+        Returns ``created=False`` and the winner's decoded mean when another writer
+        committed first.
+        """
+        self._check_fragment(fragment, round)
+        layout.check_name("writer", writer)
+        what = f"mean of fragment {fragment} round {round}"
+        self._check_vector(fragment, x, what)
+        commit_key = layout.mean_commit(fragment, round)
+        existing = self.fetch_mean(fragment, round)
+        if existing is not None:
+            return Published(existing[0], existing[1], False)
+        payload = layout.mean_payload(fragment, round, writer, _nonce())
+        record, decoded = write_array(self.store, payload, x, self.down)
+        commit = {
+            "kind": "mean",
+            "run": self.manifest.run_id,
+            "fragment": fragment,
+            "round": round,
+            "writer": writer,
+            "weights": {k: float(v) for k, v in sorted(weights.items())},
+            "numel": int(x.size),
+            "codec": {"name": self.down.name, "block_size": self.down.block_size},
+            "payload": payload,
+            "objects": record,
+            "created": _now(),
+            **(extra or {}),
+        }
+        if self.store.put_if_absent(commit_key, json.dumps(commit, sort_keys=True).encode()):
+            return Published(decoded, commit, True)
+        log.info("%s: another aggregator committed first; adopting its mean", what)
+        existing = self.fetch_mean(fragment, round)
+        if existing is None:  # pragma: no cover - the commit we lost to must exist
+            raise StoreError(f"{what}: commit lost a race but cannot be read back")
+        return Published(existing[0], existing[1], False)
+
+    def record_rejection(self, fragment: int, round: int, worker: str, reason: str) -> None:
+        """Leave a note that a contribution was rejected (first note wins)."""
+        body = {"fragment": fragment, "round": round, "worker": worker,
+                "reason": reason, "created": _now()}
+        self.store.put_if_absent(
+            layout.rejected(fragment, round, worker), json.dumps(body).encode()
+        )
+
+    def rejections(self, fragment: int, round: int) -> dict[str, str]:
+        """worker -> reason, for the contributions of (fragment, round) rejected."""
+        prefix = f"{layout.round_prefix(fragment, round)}/rejected"
+        out = {}
+        for key in self.store.list(prefix):
+            body = self._read_json(key)
+            out[body["worker"]] = body["reason"]
+        return out

@@ -1,0 +1,125 @@
+"""The run manifest: created once per run, validated whenever a run is opened.
+
+It carries what every party must agree on before exchanging a byte: the workers,
+the fragment map (names, shapes, sizes), the codecs, how many rounds each fragment
+has, and the user's whole configuration (opaque to the storage layer).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from storage.codecs import CodecSpec
+from storage.errors import ManifestInvalid, RunExists
+from storage.layout import MANIFEST, check_name
+from storage.objectstore import ObjectStore
+
+FORMAT = "diloco-flows/run/1"
+
+
+class ParamEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    shape: list[int]
+
+
+class FragmentEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    index: int
+    numel: int = Field(gt=0)
+    params: list[ParamEntry]
+
+    @model_validator(mode="after")
+    def _sizes(self) -> FragmentEntry:
+        total = 0
+        for p in self.params:
+            n = 1
+            for d in p.shape:
+                n *= d
+            total += n
+        if total != self.numel:
+            raise ValueError(
+                f"fragment {self.index}: numel {self.numel} != sum of parameter sizes {total}"
+            )
+        return self
+
+
+class CodecEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    block_size: int
+
+    def spec(self) -> CodecSpec:
+        return CodecSpec(self.name, self.block_size)
+
+
+class RunManifest(BaseModel):
+    """What a run is; see the module docstring."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["diloco-flows/run/1"] = FORMAT
+    run_id: str
+    created: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
+    workers: list[str]
+    total_steps: int = Field(ge=0)
+    rounds: list[int] = Field(description="rounds per fragment, final round included")
+    codec_up: CodecEntry
+    codec_down: CodecEntry
+    fragments: list[FragmentEntry]
+    sync: dict[str, Any] = Field(default_factory=dict)
+    config: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunManifest:
+        if not self.workers:
+            raise ValueError("workers: at least one worker is needed")
+        for w in self.workers:
+            check_name("worker", w)
+        if len(set(self.workers)) != len(self.workers):
+            raise ValueError(f"workers: duplicate names in {self.workers}")
+        if [f.index for f in self.fragments] != list(range(len(self.fragments))):
+            raise ValueError("fragments: indices must be 0, 1, ... in order")
+        if len(self.rounds) != len(self.fragments):
+            raise ValueError(
+                f"rounds: {len(self.rounds)} entries for {len(self.fragments)} fragments"
+            )
+        self.codec_up.spec()
+        self.codec_down.spec()
+        return self
+
+    def numel(self, fragment: int) -> int:
+        return self.fragments[fragment].numel
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.model_dump(), indent=2, sort_keys=True).encode()
+
+
+def create_run(store: ObjectStore, manifest: RunManifest) -> None:
+    """Write the manifest with a create-only write; refuse an existing run."""
+    if not store.put_if_absent(MANIFEST, manifest.to_json()):
+        raise RunExists(
+            f"a run already exists at {store.full_url(MANIFEST)}; "
+            f"use a new run URL or open the existing run"
+        )
+
+
+def open_run(store: ObjectStore) -> RunManifest:
+    """Read and validate the manifest of the run at ``store``."""
+    url = store.full_url(MANIFEST)
+    try:
+        raw = store.get(MANIFEST)
+    except Exception as exc:  # ObjectMissing, TransientStoreError, permission...
+        raise ManifestInvalid(f"cannot read the run manifest {url}: {exc}") from exc
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ManifestInvalid(f"the run manifest {url} is not valid JSON: {exc}") from exc
+    try:
+        return RunManifest.model_validate(data)
+    except ValidationError as exc:
+        raise ManifestInvalid(f"the run manifest {url} does not validate:\n{exc}") from exc

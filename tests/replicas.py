@@ -1,0 +1,99 @@
+"""Run several replicas and the aggregator in one process, as threads.
+
+Each worker gets its own ObjectStore instance (its own traffic counter) on the same
+run URL, exactly as separate processes in separate regions would; ``memory://``
+URLs are shared between instances of one process.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from diloco.aggregator import Aggregator
+from diloco.config import SyncConfig
+from diloco.replica import Synchronizer
+from diloco.run import new_run, open_exchange, plan_for
+from storage.objectstore import ObjectStore
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class WorkerTrace:
+    losses: list[float] = field(default_factory=list)
+    params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    sync: Synchronizer | None = None
+    model: nn.Module | None = None
+
+
+@dataclass
+class Result:
+    traces: dict[str, WorkerTrace]
+    aggregator: Aggregator
+
+
+def train_replicas(
+    url: str,
+    make_model: Callable[[], nn.Module],
+    batches: Callable[[str, int], Batch],
+    config: SyncConfig,
+    *,
+    workers: Sequence[str] = ("w0", "w1"),
+    total_steps: int,
+    inner_lr: float = 0.1,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    storage_options: dict | None = None,
+    on_step: Callable[[str, int, Synchronizer], None] | None = None,
+    timeout: float = 120.0,
+) -> Result:
+    """Train ``workers`` replicas with plain SGD for ``total_steps`` each and run the
+    aggregator alongside; returns per-step losses and parameters of each worker."""
+    loss_fn = loss_fn or nn.functional.mse_loss
+    base = make_model()
+    new_run(ObjectStore(url, storage_options=storage_options), base, config,
+            workers=list(workers), total_steps=total_steps)
+    aggregator = Aggregator(open_exchange(ObjectStore(url, storage_options=storage_options)))
+    stop = threading.Event()
+    traces = {w: WorkerTrace() for w in workers}
+
+    def work(worker: str) -> None:
+        model = make_model()
+        ex = open_exchange(ObjectStore(url, storage_options=storage_options, name=worker))
+        sync = Synchronizer(model, ex, worker, plan_for(model, config))
+        trace = traces[worker]
+        trace.sync, trace.model = sync, model
+        opt = torch.optim.SGD(model.parameters(), lr=inner_lr)
+        try:
+            for step in range(1, total_steps + 1):
+                x, y = batches(worker, step)
+                opt.zero_grad()
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                opt.step()
+                trace.losses.append(float(loss))
+                sync.step(tokens=int(x.shape[0]))
+                trace.params.append(
+                    {k: v.detach().clone() for k, v in model.named_parameters()}
+                )
+                if on_step is not None:
+                    on_step(worker, step, sync)
+            sync.finish()
+        finally:
+            sync.close()
+
+    with ThreadPoolExecutor(len(workers) + 1) as pool:
+        agg = pool.submit(aggregator.run, stop, timeout)
+        futures = [pool.submit(work, w) for w in workers]
+        try:
+            for f in futures:
+                f.result(timeout=timeout)
+            agg.result(timeout=timeout)
+        finally:
+            stop.set()
+    return Result(traces, aggregator)

@@ -1,0 +1,128 @@
+"""A real S3 server on loopback for tests: moto's, in a child process.
+
+Why a child process rather than `moto.server.ThreadedMotoServer` in the test
+process: the tests race 8 threads against the server and s3fs runs its own IO
+thread, so a server sharing the GIL with them slows everything and blurs the
+timing; and a `moto.mock_aws()` used by any test in the same process patches
+botocore globally, which would silently divert our requests away from the server.
+
+The child runs `ThreadedMotoServer(ip_address="127.0.0.1", port=0)` (moto 5.2 binds
+port 0 and reports the bound port through `get_host_and_port()`), prints
+``PORT <n>`` on stdout, and exits when its stdin closes, so it dies with the test
+run even if pytest is killed.
+
+Usage::
+
+    with MotoS3Server() as server:
+        endpoint = server.endpoint_url        # http://127.0.0.1:<port>
+
+Credentials are dummies (`DUMMY_KEY`, `DUMMY_SECRET`); moto accepts any.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from types import TracebackType
+
+DUMMY_KEY = "testing"
+DUMMY_SECRET = "testing"
+REGION = "us-east-1"
+
+
+class MotoS3Server:
+    """moto's S3 server in a child process on 127.0.0.1 and a free port."""
+
+    def __init__(self, startup_timeout: float = 30.0) -> None:
+        self.startup_timeout = startup_timeout
+        self.endpoint_url = ""
+        self._proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> str:
+        """Start the server and return its endpoint URL once it answers."""
+        env = dict(os.environ)
+        env.update(
+            AWS_ACCESS_KEY_ID=DUMMY_KEY,
+            AWS_SECRET_ACCESS_KEY=DUMMY_SECRET,
+            AWS_DEFAULT_REGION=REGION,
+        )
+        self._proc = subprocess.Popen(
+            [sys.executable, __file__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline().strip()
+        if not line.startswith("PORT "):
+            self.stop()
+            raise RuntimeError(f"moto server did not start (said {line!r})")
+        self.endpoint_url = f"http://127.0.0.1:{int(line.split()[1])}"
+        self._wait_until_answering()
+        return self.endpoint_url
+
+    def _wait_until_answering(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.endpoint_url}/moto-api/", timeout=2):
+                    return
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(
+                        f"moto server at {self.endpoint_url} never answered"
+                    ) from exc
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Stop the server (closing its stdin) and wait for it to exit."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        finally:
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+    def __enter__(self) -> MotoS3Server:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _serve() -> None:
+    """Child-process entry point: serve until stdin closes."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    _, port = server.get_host_and_port()
+    print(f"PORT {port}", flush=True)
+    sys.stdin.read()  # returns at EOF: the parent closed the pipe or died
+    server.stop()
+
+
+if __name__ == "__main__":
+    _serve()

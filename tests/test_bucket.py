@@ -1,0 +1,311 @@
+"""Bucket set-up (storage/bucket.py) against the S3 server, and the local stack's
+compose file (infra/minio/), which cannot run here (no Docker) but can be read.
+
+Each S3 test creates buckets of its own (``diloco-bt-<random>``), so it never
+touches the bucket other tests share.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import uuid
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import yaml
+
+from storage import layout
+from storage.bucket import (
+    apply_bucket_policy,
+    apply_lifecycle,
+    bucket_policy,
+    ensure_bucket,
+    lifecycle_rule,
+    role_policies,
+)
+
+INFRA = Path(__file__).resolve().parents[1] / "infra" / "minio"
+
+
+@pytest.fixture
+def s3_client(s3_endpoint) -> Any:
+    endpoint, options = s3_endpoint
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=options.get("key"),
+        aws_secret_access_key=options.get("secret"),
+        region_name=options["client_kwargs"]["region_name"],
+    )
+
+
+@pytest.fixture
+def fresh_bucket(s3_client) -> Any:
+    """A bucket name nobody uses yet; the bucket is removed afterwards if created."""
+    name = f"diloco-bt-{uuid.uuid4().hex[:12]}"
+    yield name
+    with suppress(Exception):  # best-effort cleanup
+        s3_client.delete_bucket(Bucket=name)
+
+
+# -- ensure_bucket -------------------------------------------------------------------
+
+
+@pytest.mark.s3
+def test_ensure_bucket_creates_once(s3_client, fresh_bucket):
+    assert ensure_bucket(fresh_bucket, client=s3_client) is True
+    assert ensure_bucket(fresh_bucket, client=s3_client) is False
+    s3_client.head_bucket(Bucket=fresh_bucket)
+    names = [b["Name"] for b in s3_client.list_buckets()["Buckets"]]
+    assert names.count(fresh_bucket) == 1
+
+
+@pytest.mark.s3
+def test_ensure_bucket_from_endpoint_and_environment(
+    s3_endpoint, s3_env, fresh_bucket, monkeypatch
+):
+    for name, value in s3_env.items():
+        monkeypatch.setenv(name, value)
+    endpoint, _ = s3_endpoint
+    assert ensure_bucket(fresh_bucket, endpoint_url=endpoint, region="us-east-1") is True
+    assert ensure_bucket(fresh_bucket, endpoint_url=endpoint, region="us-east-1") is False
+
+
+@pytest.mark.s3
+def test_ensure_bucket_outside_us_east_1_sets_location(s3_endpoint, s3_client, fresh_bucket):
+    if os.environ.get("DILOCO_TEST_S3_ENDPOINT"):
+        pytest.skip("regions are moto/AWS behaviour; MinIO has one region")
+    endpoint, options = s3_endpoint
+    eu = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=options.get("key"),
+        aws_secret_access_key=options.get("secret"),
+        region_name="eu-west-1",
+    )
+    assert ensure_bucket(fresh_bucket, client=eu) is True
+    assert s3_client.get_bucket_location(Bucket=fresh_bucket)["LocationConstraint"] == "eu-west-1"
+
+
+# -- lifecycle -------------------------------------------------------------------------
+
+
+@pytest.mark.s3
+def test_lifecycle_rules_read_back_equal(s3_client, fresh_bucket):
+    ensure_bucket(fresh_bucket, client=s3_client)
+    runs = apply_lifecycle(fresh_bucket, "runs/exp1", abort_multipart_days=2, client=s3_client)
+    scratch = apply_lifecycle(fresh_bucket, "/scratch/", expire_days=7, client=s3_client)
+    assert runs == {
+        "ID": "diloco:runs/exp1",
+        "Filter": {"Prefix": "runs/exp1/"},
+        "Status": "Enabled",
+        "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 2},
+    }
+    assert scratch["Expiration"] == {"Days": 7} and scratch["Filter"] == {"Prefix": "scratch/"}
+
+    def rules() -> dict[str, dict]:
+        found = s3_client.get_bucket_lifecycle_configuration(Bucket=fresh_bucket)["Rules"]
+        return {r["ID"]: r for r in found}
+
+    assert rules() == {runs["ID"]: runs, scratch["ID"]: scratch}
+    # Re-applying replaces our rule (same ID) and keeps the others.
+    changed = apply_lifecycle(fresh_bucket, "runs/exp1", expire_days=30, client=s3_client)
+    assert rules() == {runs["ID"]: changed, scratch["ID"]: scratch}
+
+
+def test_lifecycle_rule_validation():
+    assert lifecycle_rule("")["Filter"] == {"Prefix": ""}
+    with pytest.raises(ValueError):
+        lifecycle_rule("runs", abort_multipart_days=0)
+    with pytest.raises(ValueError):
+        lifecycle_rule("runs", expire_days=0)
+    with pytest.raises(ValueError):
+        lifecycle_rule("runs/../other")
+
+
+# -- policies ----------------------------------------------------------------------------
+
+
+def _allowed(policy: dict, action: str, resource: str) -> bool:
+    """Does an Allow statement of ``policy`` grant ``action`` on ``resource``?
+    (IAM's '*' matches any characters including '/', as fnmatch's does.)"""
+    for statement in policy["Statement"]:
+        actions = statement["Action"]
+        resources = statement["Resource"]
+        resources = [resources] if isinstance(resources, str) else resources
+        if (
+            statement["Effect"] == "Allow"
+            and action in actions
+            and any(fnmatch.fnmatchcase(resource, pattern) for pattern in resources)
+        ):
+            return True
+    return False
+
+
+def _obj(key: str) -> str:
+    return f"arn:aws:s3:::bkt/runs/{key}"
+
+
+def test_role_policies_are_valid_json_with_expected_shape():
+    policies = role_policies("bkt", "/runs/", workers=["w1", "w2"])
+    assert set(policies) == {"reader", "aggregator", "worker:w1", "worker:w2"}
+    for role, policy in policies.items():
+        assert json.loads(json.dumps(policy)) == policy
+        assert policy["Version"] == "2012-10-17"
+        for statement in policy["Statement"]:
+            assert statement["Effect"] == "Allow", role
+            assert all(a.startswith("s3:") and "*" not in a for a in statement["Action"]), role
+            resources = statement["Resource"]
+            for arn in [resources] if isinstance(resources, str) else resources:
+                assert arn == "arn:aws:s3:::bkt" or arn.startswith("arn:aws:s3:::bkt/runs/"), arn
+    reader_actions = {a for s in policies["reader"]["Statement"] for a in s["Action"]}
+    assert reader_actions == {"s3:GetObject", "s3:ListBucket"}
+    listing = policies["reader"]["Statement"][0]
+    assert listing["Resource"] == "arn:aws:s3:::bkt"
+    assert listing["Condition"] == {"StringLike": {"s3:prefix": ["runs", "runs/*"]}}
+
+
+def test_role_policies_follow_the_key_layout():
+    p = role_policies("bkt", "runs", workers=["w1", "w2"])
+    w1, agg, reader = p["worker:w1"], p["aggregator"], p["reader"]
+    nonce = "n0"
+    own = [
+        layout.delta_payload(0, 3, "w1", nonce) + "/c/0",
+        layout.delta_commit(0, 3, "w1"),
+        layout.worker_checkpoints("w1") + "/120/params",
+        "members/w1.json",
+    ]
+    others = [
+        layout.delta_payload(0, 3, "w2", nonce) + "/c/0",
+        layout.delta_commit(0, 3, "w2"),
+        layout.delta_commit(0, 3, "w10"),
+        layout.mean_commit(0, 3),
+        layout.mean_payload(0, 3, "agg", nonce) + "/c/0",
+        layout.global_commit(0, 3),
+        layout.worker_checkpoints("w2") + "/120/params",
+        layout.MANIFEST,
+    ]
+    for key in own:
+        assert _allowed(w1, "s3:PutObject", _obj(key)), key
+    for key in others:
+        assert not _allowed(w1, "s3:PutObject", _obj(key)), key
+    agg_writes = [
+        layout.mean_commit(0, 3),
+        layout.mean_payload(0, 3, "agg", nonce) + "/c/0",
+        layout.rejected(0, 3, "w2"),
+        layout.global_commit(0, 3),
+        layout.global_state(0, 3) + "/params/c/0",
+        layout.global_init(0) + "/c/0",
+        layout.MANIFEST,
+    ]
+    for key in agg_writes:
+        assert _allowed(agg, "s3:PutObject", _obj(key)), key
+    assert not _allowed(agg, "s3:PutObject", _obj(layout.delta_commit(0, 3, "w1")))
+    for key in own + others:
+        assert _allowed(reader, "s3:GetObject", _obj(key))
+        assert _allowed(w1, "s3:GetObject", _obj(key)) and _allowed(agg, "s3:GetObject", _obj(key))
+        assert not _allowed(reader, "s3:PutObject", _obj(key))
+    assert not _allowed(reader, "s3:GetObject", "arn:aws:s3:::bkt/elsewhere/x")
+    with pytest.raises(ValueError):
+        role_policies("bkt", "runs", workers=["w/1"])
+
+
+@pytest.mark.s3
+def test_bucket_policy_applies_and_reads_back(s3_client, fresh_bucket):
+    if os.environ.get("DILOCO_TEST_S3_ENDPOINT"):
+        pytest.skip("MinIO bucket policies take no IAM user ARNs as principals")
+    ensure_bucket(fresh_bucket, client=s3_client)
+    principals = {
+        "reader": "arn:aws:iam::123456789012:user/reader",
+        "aggregator": "arn:aws:iam::123456789012:role/aggregator",
+        "worker:w1": ["arn:aws:iam::123456789012:role/worker-w1"],
+    }
+    policy = bucket_policy(fresh_bucket, "runs", principals)
+    sids = [s["Sid"] for s in policy["Statement"]]
+    assert len(sids) == len(set(sids))
+    assert all("Principal" in s for s in policy["Statement"])
+    apply_bucket_policy(fresh_bucket, policy, client=s3_client)
+    stored = json.loads(s3_client.get_bucket_policy(Bucket=fresh_bucket)["Policy"])
+    assert stored == policy
+    with pytest.raises(ValueError, match="unknown role"):
+        bucket_policy(fresh_bucket, "runs", {"admin": "arn:aws:iam::1:user/x"})
+
+
+# -- infra/minio/docker-compose.yml --------------------------------------------------------
+
+_VARIABLE = re.compile(r"(?<!\$)\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+
+
+def _env_example() -> dict[str, str]:
+    values = {}
+    for line in (INFRA / ".env.example").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            name, _, value = line.partition("=")
+            values[name] = value
+    return values
+
+
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load((INFRA / "docker-compose.yml").read_text())
+
+
+def test_compose_services_ports_and_health():
+    services = _compose()["services"]
+    assert set(services) == {"minio", "create-buckets", "mlflow", "prefect"}
+
+    def container_ports(service: str) -> set[int]:
+        return {int(str(p).rsplit(":", 1)[1]) for p in services[service]["ports"]}
+
+    assert container_ports("minio") == {9000, 9001}
+    assert container_ports("mlflow") == {5000}
+    assert container_ports("prefect") == {4200}
+    for name in ("minio", "mlflow", "prefect"):
+        assert services[name]["healthcheck"]["test"], name
+    assert "/data" in services["minio"]["command"]
+    assert any(v.endswith(":/data") for v in services["minio"]["volumes"])
+    assert services["create-buckets"]["depends_on"]["minio"]["condition"] == "service_healthy"
+    assert services["create-buckets"]["restart"] == "no"
+    assert "mc mb --ignore-existing" in services["create-buckets"]["command"][0]
+    mlflow = services["mlflow"]
+    assert mlflow["environment"]["MLFLOW_S3_ENDPOINT_URL"] == "http://minio:9000"
+    assert mlflow["environment"]["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
+    assert any(a.startswith("--backend-store-uri=sqlite:///") for a in mlflow["command"])
+    assert any(a.startswith("--artifacts-destination=s3://") for a in mlflow["command"])
+    assert "server" in services["prefect"]["command"]
+
+
+def test_compose_images_are_pinned():
+    env = _env_example()
+    for name in ("MINIO_IMAGE", "MC_IMAGE"):
+        image = env[name]
+        assert ":" in image and not image.endswith(":latest"), image
+    for dockerfile, arg in (
+        ("mlflow.Dockerfile", "MLFLOW_VERSION"),
+        ("prefect.Dockerfile", "PREFECT_VERSION"),
+    ):
+        text = (INFRA / dockerfile).read_text()
+        assert f"ARG {arg}={env[arg]}" in text, dockerfile
+        assert re.fullmatch(r"\d+\.\d+\.\d+", env[arg]), env[arg]
+
+
+def test_compose_variables_are_defined_in_env_example():
+    text = (INFRA / "docker-compose.yml").read_text()
+    env = _env_example()
+    used = {}
+    for match in _VARIABLE.finditer(text):
+        name, kind, default = match.groups()
+        assert name in env, f"${{{name}}} is used in docker-compose.yml but not in .env.example"
+        if kind and kind.endswith("-"):
+            assert default == env[name], f"default of {name} differs from .env.example"
+        used[name] = kind
+    assert set(env) <= set(used), f"unused in compose: {set(env) - set(used)}"
+    # credentials have no default: compose refuses to start without them
+    assert used["MINIO_ROOT_PASSWORD"] == ":?" and used["MINIO_ROOT_USER"] == ":?"
+    assert len(env["MINIO_ROOT_PASSWORD"]) >= 8  # MinIO refuses shorter ones
