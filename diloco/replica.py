@@ -293,8 +293,10 @@ class Synchronizer:
 
     def _adaptive_eager(self, sent: _Sent, wait: bool) -> torch.Tensor:
         p, r = sent.fragment, sent.round
-        if wait:
-            self._wait(sent.mean)
+        if wait:  # the final round: every mean of the fragment, so all is applied once
+            for (q, k), s in sorted(self._sent.items()):
+                if q == p and k <= r and not s.correction_applied:
+                    self._wait(s.mean)
         pending = sorted(
             k for (q, k), s in self._sent.items()
             if q == p and k <= r and not s.correction_applied and s.mean.done()
@@ -317,8 +319,13 @@ class Synchronizer:
         return grad
 
     def _apply_outstanding(self, p: int) -> None:
-        """Eager modes at the end: wait for every mean of fragment ``p`` and apply the
-        others' parts not applied yet, in one last outer step."""
+        """Eager modes at the end, when no final round carried them: wait for every
+        mean of fragment ``p`` and apply the others' parts not applied yet.
+
+        This is a correction, not a round: it moves the outer parameters by
+        ``-eta * correction`` without touching the momentum, so a zero correction (one
+        worker, or means that matched the estimate) changes nothing.
+        """
         grad = None
         for (q, _k), sent in sorted(self._sent.items()):
             if q != p or sent.correction_applied:
@@ -328,8 +335,10 @@ class Synchronizer:
             grad = part if grad is None else grad + part
             sent.correction_applied = True
         if grad is not None:
-            new = self.outer[p].step(grad)
-            self.plan.scatter(self.model, p, new)
+            state = self.outer[p]
+            with torch.no_grad():
+                state.params.add_(grad, alpha=-state.lr)
+            self.plan.scatter(self.model, p, state.params)
 
     def _forget(self, p: int) -> None:
         """Drop rounds of ``p`` that are fully applied and no longer referenced."""

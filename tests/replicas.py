@@ -19,6 +19,7 @@ from diloco.aggregator import Aggregator
 from diloco.config import SyncConfig
 from diloco.replica import Synchronizer
 from diloco.run import new_run, open_exchange, plan_for
+from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -50,10 +51,16 @@ def train_replicas(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     storage_options: dict | None = None,
     on_step: Callable[[str, int, Synchronizer], None] | None = None,
+    before_step: Callable[[str, int, Synchronizer], None] | None = None,
+    wrap_exchange: Callable[[str, Exchange], Exchange] | None = None,
     timeout: float = 120.0,
 ) -> Result:
     """Train ``workers`` replicas with plain SGD for ``total_steps`` each and run the
-    aggregator alongside; returns per-step losses and parameters of each worker."""
+    aggregator alongside; returns per-step losses and parameters of each worker.
+
+    ``before_step`` runs after the inner optimizer step and before ``sync.step()``
+    (a test can hold a merge there until a mean has arrived); ``on_step`` runs after
+    it; ``wrap_exchange`` gives a worker a modified view of the store."""
     loss_fn = loss_fn or nn.functional.mse_loss
     base = make_model()
     new_run(ObjectStore(url, storage_options=storage_options), base, config,
@@ -65,6 +72,8 @@ def train_replicas(
     def work(worker: str) -> None:
         model = make_model()
         ex = open_exchange(ObjectStore(url, storage_options=storage_options, name=worker))
+        if wrap_exchange is not None:
+            ex = wrap_exchange(worker, ex)
         sync = Synchronizer(model, ex, worker, plan_for(model, config))
         trace = traces[worker]
         trace.sync, trace.model = sync, model
@@ -76,7 +85,9 @@ def train_replicas(
                 loss = loss_fn(model(x), y)
                 loss.backward()
                 opt.step()
-                trace.losses.append(float(loss))
+                trace.losses.append(float(loss.detach()))
+                if before_step is not None:
+                    before_step(worker, step, sync)
                 sync.step(tokens=int(x.shape[0]))
                 trace.params.append(
                     {k: v.detach().clone() for k, v in model.named_parameters()}

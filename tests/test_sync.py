@@ -1,0 +1,203 @@
+"""The synchroniser and the aggregator together: bit-exact agreement of outer
+state, eager rules, rejection of bad contributions, racing and restarted
+aggregators. Replicas and aggregators run as threads on memory:// stores."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+import pytest
+import torch
+from torch import nn
+
+from diloco.config import SyncConfig
+from replicas import train_replicas
+from storage.exchange import Exchange
+
+
+class Blocks(nn.Module):
+    """A small residual MLP with repeated blocks, so it can be fragmented."""
+
+    def __init__(self, width: int = 8, depth: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return self.out(h)
+
+
+TARGET = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+
+
+def data(worker: str, step: int):
+    seed = int(hashlib.sha256(f"{worker}/{step}".encode()).hexdigest()[:8], 16)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 4, generator=g)
+    shift = 0.5 if worker.endswith("1") else -0.5  # non-i.i.d. workers
+    return x, x @ TARGET + shift
+
+
+def url() -> str:
+    return f"memory://sync/{uuid.uuid4().hex}"
+
+
+def _merges(cfg: SyncConfig, step: int) -> list[tuple[int, int]]:
+    from diloco.schedule import Schedule  # noqa: PLC0415
+
+    sched = Schedule(cfg.sync_every, cfg.fragments, cfg.send_offset)
+    return [(e.fragment, e.round) for e in sched.events(step) if e.kind == "merge"]
+
+
+@pytest.mark.parametrize("codec", ["none", "int8", "int4"])
+def test_non_eager_workers_hold_canonical_state_bit_for_bit(codec):
+    """Streaming (P = 2, tau = 1, alpha = 0.5): after every merge, each worker's outer
+    parameters and momentum equal the aggregator's checkpoint of that round, bit for
+    bit; after finish() the live model equals the canonical model."""
+    cfg = SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1, alpha=0.5,
+                     codec_up=codec, codec_down=codec, block_size=32)
+    seen: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def record(worker, step, sync):
+        for p, r in _merges(cfg, step):
+            seen[(worker, p, r)] = (sync.outer_params(p).clone(),
+                                    sync.outer_momentum(p).clone())
+
+    res = train_replicas(url(), Blocks, data, cfg, total_steps=14, on_step=record,
+                         inner_lr=0.05)
+    from storage.checkpoints import read_checkpoint  # noqa: PLC0415
+
+    ex = res.aggregator.exchange
+    # s = H/P = 2: merges at t = 2, 4, ..., 14, fragment 0 at 2, 6, 10, 14 (rounds 0-3),
+    # fragment 1 at 4, 8, 12 (rounds 0-2): 7 merges per worker, 2 workers.
+    assert len(seen) == 2 * 7
+    for (worker, p, r), (params, momentum) in seen.items():
+        arrays, _ = read_checkpoint(ex.store, f"global/frag/{p}/r{r:06d}.json")
+        assert torch.equal(params, torch.from_numpy(arrays["params"])), (worker, p, r)
+        assert torch.equal(momentum, torch.from_numpy(arrays["momentum"])), (worker, p, r)
+    for trace in res.traces.values():
+        for p in range(2):
+            assert torch.equal(trace.sync.outer_params(p), res.aggregator.canonical(p))
+            assert torch.equal(trace.sync.outer_momentum(p), res.aggregator.momentum(p))
+            live = trace.sync.plan.gather(trace.model, p)
+            assert torch.equal(live, res.aggregator.canonical(p))
+
+
+@pytest.mark.parametrize("rule", ["pure", "adaptive"])
+def test_one_worker_eager_equals_blocking(rule):
+    """M = 1, codec none: eager updates (alpha 0) equal blocking DiLoCo, step by step,
+    bit for bit (ALGORITHMS.md section 4)."""
+    common = dict(sync_every=3, fragments=1, outer_lr=0.7, outer_momentum=0.9)
+    blocking = train_replicas(url(), Blocks, data, SyncConfig(mode="diloco", **common),
+                              workers=("w0",), total_steps=12)
+    eager = train_replicas(url(), Blocks, data,
+                           SyncConfig(mode="eager", eager_rule=rule, alpha=0.0, **common),
+                           workers=("w0",), total_steps=12)
+    b, e = blocking.traces["w0"], eager.traces["w0"]
+    assert b.losses == e.losses
+    for pb, pe in zip(b.params, e.params, strict=True):
+        for name in pb:
+            assert torch.equal(pb[name], pe[name]), name
+
+
+class HiddenMeans(Exchange):
+    """A worker's view of the store in which a mean stays invisible until the test
+    releases it: a slow link, made deterministic."""
+
+    def __init__(self, base: Exchange):
+        super().__init__(base.store, base.manifest)
+        self.released: set[tuple[int, int]] = set()
+
+    def fetch_mean(self, fragment, round):
+        if (fragment, round) not in self.released:
+            return None
+        return super().fetch_mean(fragment, round)
+
+
+def _eager_run(cfg: SyncConfig, late: set[tuple[int, int]], total_steps: int = 16):
+    """Two workers. A mean in ``late`` reaches a worker one round late (released after
+    the worker's merge of that round, awaited before its next merge of the fragment);
+    every other mean is awaited before its merge (on time)."""
+    views: dict[str, HiddenMeans] = {}
+
+    def wrap(worker, ex):
+        views[worker] = HiddenMeans(ex)
+        return views[worker]
+
+    def before(worker, step, sync):
+        view = views[worker]
+        for p, r in _merges(cfg, step):
+            if (p, r) not in late:  # on time: visible and fetched before the merge
+                view.released.add((p, r))
+                sync._sent[(p, r)].mean.result(timeout=30)
+            if (p, r - 1) in late:  # one round late: here by the next merge
+                view.released.add((p, r - 1))
+                sync._sent[(p, r - 1)].mean.result(timeout=30)
+
+    def after(worker, step, sync):
+        for p, r in _merges(cfg, step):
+            if (p, r) in late:
+                views[worker].released.add((p, r))
+
+    def release_all(worker, step, sync):
+        after(worker, step, sync)
+        if step == total_steps:
+            views[worker].released.update(
+                (p, r) for p in range(cfg.fragments) for r in range(100))
+
+    return train_replicas(url(), Blocks, data, cfg, total_steps=total_steps,
+                          wrap_exchange=wrap, before_step=before, on_step=release_all,
+                          inner_lr=0.05)
+
+
+EAGER = dict(sync_every=4, fragments=2, outer_lr=0.7, outer_momentum=0.5)
+
+
+def _outer(res, worker, fragments=2):
+    return torch.cat([res.traces[worker].sync.outer_params(p) for p in range(fragments)])
+
+
+def test_adaptive_eager_all_on_time_equals_streaming():
+    streaming = train_replicas(url(), Blocks, data,
+                               SyncConfig(mode="streaming", overlap=1, alpha=0.5, **EAGER),
+                               total_steps=16, inner_lr=0.05)
+    adaptive = _eager_run(SyncConfig(mode="eager", overlap=1, alpha=0.5, **EAGER), late=set())
+    for w in ("w0", "w1"):
+        assert streaming.traces[w].losses == adaptive.traces[w].losses
+        assert torch.equal(_outer(streaming, w), _outer(adaptive, w))
+        assert adaptive.traces[w].sync.stats.late_means == 0
+
+
+def test_adaptive_eager_all_late_equals_pure_eager():
+    """Every mean one round late: the adaptive rule is the paper's eager rule."""
+    late = {(p, r) for p in range(2) for r in range(10)}
+    pure = _eager_run(SyncConfig(mode="eager", eager_rule="pure", **EAGER), late=late)
+    adaptive = _eager_run(SyncConfig(mode="eager", alpha=0.0, **EAGER), late=late)
+    for w in ("w0", "w1"):
+        assert adaptive.traces[w].sync.stats.late_means > 0
+        torch.testing.assert_close(torch.tensor(pure.traces[w].losses),
+                                   torch.tensor(adaptive.traces[w].losses),
+                                   rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(_outer(pure, w), _outer(adaptive, w), rtol=1e-6, atol=1e-7)
+
+
+def test_adaptive_eager_applies_every_contribution_once():
+    """Half the means late, outer momentum 0: after the last means arrive, every
+    worker's outer parameters moved by exactly -lr * (sum of all means), like the
+    canonical model: each contribution was applied once, none twice or never."""
+    cfg = SyncConfig(mode="eager", overlap=1, alpha=0.5, sync_every=4, fragments=2,
+                     outer_lr=0.7, outer_momentum=0.0)
+    late = {(0, 0), (1, 1), (0, 2), (1, 3)}
+    res = _eager_run(cfg, late=late)
+    canonical = torch.cat([res.aggregator.canonical(p) for p in range(2)])
+    for w in ("w0", "w1"):
+        stats = res.traces[w].sync.stats
+        assert stats.late_means == len(late)
+        assert stats.wait_seconds >= 0
+        torch.testing.assert_close(_outer(res, w), canonical, rtol=1e-5, atol=1e-6)
