@@ -135,6 +135,8 @@ def read_array(
         raise ShapeMismatch(f"{label}: dtype {arr.dtype}, expected {np.dtype(dtype)}")
     try:
         out = np.asarray(arr[...])
+    except NonFiniteValues as exc:
+        raise NonFiniteValues(f"{label}: {exc}; it is not applied") from exc
     except Exception as exc:
         raise CorruptObject(f"{label}: cannot be decoded: {exc}") from exc
     if finite and not np.isfinite(out).all():

@@ -53,6 +53,7 @@ def train_replicas(
     on_step: Callable[[str, int, Synchronizer], None] | None = None,
     before_step: Callable[[str, int, Synchronizer], None] | None = None,
     wrap_exchange: Callable[[str, Exchange], Exchange] | None = None,
+    aggregate: Callable[[threading.Event], Aggregator] | None = None,
     timeout: float = 120.0,
 ) -> Result:
     """Train ``workers`` replicas with plain SGD for ``total_steps`` each and run the
@@ -60,13 +61,20 @@ def train_replicas(
 
     ``before_step`` runs after the inner optimizer step and before ``sync.step()``
     (a test can hold a merge there until a mean has arrived); ``on_step`` runs after
-    it; ``wrap_exchange`` gives a worker a modified view of the store."""
+    it; ``wrap_exchange`` gives a worker a modified view of the store; ``aggregate``
+    replaces the default aggregator thread (it must return the final Aggregator)."""
     loss_fn = loss_fn or nn.functional.mse_loss
     base = make_model()
     new_run(ObjectStore(url, storage_options=storage_options), base, config,
             workers=list(workers), total_steps=total_steps)
-    aggregator = Aggregator(open_exchange(ObjectStore(url, storage_options=storage_options)))
     stop = threading.Event()
+    if aggregate is None:
+        aggregator = Aggregator(open_exchange(ObjectStore(url, storage_options=storage_options)))
+
+        def aggregate(stop: threading.Event) -> Aggregator:
+            aggregator.run(stop, timeout)
+            return aggregator
+
     traces = {w: WorkerTrace() for w in workers}
 
     def work(worker: str) -> None:
@@ -99,12 +107,12 @@ def train_replicas(
             sync.close()
 
     with ThreadPoolExecutor(len(workers) + 1) as pool:
-        agg = pool.submit(aggregator.run, stop, timeout)
+        agg = pool.submit(aggregate, stop)
         futures = [pool.submit(work, w) for w in workers]
         try:
             for f in futures:
                 f.result(timeout=timeout)
-            agg.result(timeout=timeout)
+            aggregator = agg.result(timeout=timeout)
         finally:
             stop.set()
     return Result(traces, aggregator)
