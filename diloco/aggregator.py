@@ -155,7 +155,7 @@ class Aggregator:
                     f"next rounds {self.next_round} of {self.manifest.rounds}"
                 )
             stop.wait(delay)
-            delay = min(delay * 1.5, 1.0)
+            delay = min(delay * 1.5, self.config.poll_max_s)
         return self.stats
 
     def poll_once(self) -> bool:

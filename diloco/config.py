@@ -72,6 +72,9 @@ class SyncConfig(BaseModel):
         default=600.0, description="seconds the aggregator waits for every worker"
     )
     poll_interval_s: float = Field(default=0.05, description="first poll delay for a mean")
+    poll_max_s: float = Field(
+        default=0.5, description="longest delay between two polls (each poll is one request)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SyncConfig:

@@ -228,7 +228,7 @@ class Synchronizer:
             if got is not None:
                 return got
             self._stop.wait(delay)
-            delay = min(delay * 1.5, 2.0)
+            delay = min(delay * 1.5, self.config.poll_max_s)
         raise RuntimeError(f"worker {self.worker}: stopped while waiting for fragment {p} round {r}")
 
     # -- merges --------------------------------------------------------------------

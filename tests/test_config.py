@@ -181,15 +181,20 @@ def test_codec_specs():
         (dict(mode="streaming", sync_every=6, fragments=3, overlap=0, alpha=0.0), 0, 0.0),
         # adaptive eager: sends tau before the merge, lerp with alpha (section 4)
         (
-            dict(mode="eager", eager_rule="adaptive", sync_every=6, fragments=3, overlap=1,
-                 alpha=0.25),
+            dict(
+                mode="eager",
+                eager_rule="adaptive",
+                sync_every=6,
+                fragments=3,
+                overlap=1,
+                alpha=0.25,
+            ),
             1,
             0.25,
         ),
         # pure eager: sends at the merge point and sets live = outer
         (
-            dict(mode="eager", eager_rule="pure", sync_every=6, fragments=3, overlap=1,
-                 alpha=0.25),
+            dict(mode="eager", eager_rule="pure", sync_every=6, fragments=3, overlap=1, alpha=0.25),
             0,
             0.0,
         ),

@@ -215,9 +215,7 @@ def test_rounds_in_run_h6_p3_tau1(total, sent, final_a0, final_a05):
     assert [sched.has_final_round(f, total, 0.0) for f in range(3)] == final_a0
     assert [sched.has_final_round(f, total, 0.5) for f in range(3)] == final_a05
     assert sched.rounds_in_run(total, 0.0) == [n + f for n, f in zip(sent, final_a0, strict=True)]
-    assert sched.rounds_in_run(total, 0.5) == [
-        n + f for n, f in zip(sent, final_a05, strict=True)
-    ]
+    assert sched.rounds_in_run(total, 0.5) == [n + f for n, f in zip(sent, final_a05, strict=True)]
 
 
 def test_rounds_in_run_h6_p3_tau1_by_hand():

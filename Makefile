@@ -1,0 +1,17 @@
+# The two commands of the README. Each sets everything up first (scripts/setup is a
+# no-op when .venv is current).
+.PHONY: setup run test lint bench
+
+setup:
+	scripts/setup
+
+run: setup
+	.venv/bin/python examples/two_replicas.py
+
+test: setup
+	.venv/bin/ruff check .
+	.venv/bin/python -m pytest -q
+
+bench: setup
+	.venv/bin/python -m benchmarks.bench_codecs
+	.venv/bin/python -m benchmarks.bench_exchange
