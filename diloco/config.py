@@ -76,6 +76,18 @@ class SyncConfig(BaseModel):
         default=0.5, description="longest delay between two polls (each poll is one request)"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: object) -> object:
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(cls.model_fields))
+            if unknown:
+                raise ValueError(
+                    f"unknown field(s) {', '.join(unknown)}; allowed: "
+                    f"{', '.join(cls.model_fields)}"
+                )
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> SyncConfig:
         h, p, tau = self.sync_every, self.fragments, self.overlap
@@ -109,8 +121,13 @@ class SyncConfig(BaseModel):
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if not 0.0 < self.quorum <= 1.0:
             raise ValueError(f"quorum must be in (0, 1], got {self.quorum}")
-        if self.deadline_s < 0:
+        if not self.deadline_s >= 0:  # also rejects NaN
             raise ValueError(f"deadline_s must be >= 0, got {self.deadline_s}")
+        if not 0 < self.poll_interval_s <= self.poll_max_s:
+            raise ValueError(
+                f"poll_interval_s must be in (0, poll_max_s = {self.poll_max_s}], "
+                f"got {self.poll_interval_s}"
+            )
         CodecSpec(self.codec_up, self.block_size)  # validates block_size
         return self
 

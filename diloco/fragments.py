@@ -89,9 +89,16 @@ class FragmentPlan:
                             f"fragment {a['index']}: the model has parameter {x[0]} {x[1]} "
                             f"where the run has {y[0]} {y[1]}"
                         )
+                if len(pa) > len(pb):
+                    x = pa[len(pb)]
+                    raise ValueError(
+                        f"fragment {a['index']}: the model has parameter {x[0]} {x[1]} "
+                        f"that the run lacks"
+                    )
+                y = pb[len(pa)]
                 raise ValueError(
-                    f"fragment {a['index']}: the model has {len(pa)} parameters, "
-                    f"the run {len(pb)}"
+                    f"fragment {a['index']}: the run has parameter {y[0]} {y[1]} "
+                    f"that the model lacks"
                 )
 
     def gather(self, model: nn.Module, index: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,7 +188,8 @@ def plan_fragments(
     if found is not None:
         prefix, blocks = found
         for i, block in enumerate(blocks):
-            names = [f"{prefix}.{i}.{n}" for n, _ in block.named_parameters()]
+            head = f"{prefix}.{i}." if prefix else f"{i}."
+            names = [head + n for n, _ in block.named_parameters()]
             names = [n for n in names if n in named]  # tied/shared params appear once
             block_groups.append(names)
             in_blocks.update(names)

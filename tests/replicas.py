@@ -7,6 +7,7 @@ URLs are shared between instances of one process.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,34 @@ from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Blocks(nn.Module):
+    """A small residual MLP with repeated blocks, so it can be fragmented."""
+
+    def __init__(self, width: int = 8, depth: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return self.out(h)
+
+
+TARGET = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+
+
+def data(worker: str, step: int):
+    seed = int(hashlib.sha256(f"{worker}/{step}".encode()).hexdigest()[:8], 16)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 4, generator=g)
+    shift = 0.5 if worker.endswith("1") else -0.5  # non-i.i.d. workers
+    return x, x @ TARGET + shift
 
 
 @dataclass

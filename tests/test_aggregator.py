@@ -12,12 +12,11 @@ import google_crc32c
 import numpy as np
 import pytest
 import torch
-from test_sync import Blocks, data
 
 from diloco.aggregator import Aggregator
 from diloco.config import SyncConfig
 from diloco.run import open_exchange
-from replicas import train_replicas
+from replicas import Blocks, data, train_replicas
 from storage.arrays import encode_array
 from storage.exchange import Exchange, Prepared
 from storage.objectstore import ObjectStore

@@ -11,10 +11,9 @@ import torch
 from diloco.aggregator import Aggregator
 from diloco.config import SyncConfig
 from diloco.run import load_canonical, open_exchange, plan_for
-from replicas import train_replicas
+from replicas import Blocks, data, train_replicas
 from storage.errors import RunExists
 from storage.objectstore import ObjectStore
-from test_sync import Blocks, data
 
 
 @pytest.mark.parametrize("mode", ["streaming", "eager"])

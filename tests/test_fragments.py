@@ -336,17 +336,18 @@ def test_check_against_fragment_count():
         plan.check_against(plan_fragments(model(), 2).describe())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "bug: FragmentPlan.check_against reports only counts when one list is a prefix "
-        "of the other, so a parameter the model lacks is not named (the module docstring "
-        "promises a message naming the parameter)"
-    ),
-)
 def test_check_against_names_a_missing_parameter():
     plan = plan_fragments(model(), 3)
     run = copy.deepcopy(plan.describe())
     run[1]["params"].append({"name": "blocks.1.extra", "shape": [2]})
     with pytest.raises(ValueError, match="blocks.1.extra"):
         plan.check_against(run)
+
+
+def test_model_that_is_itself_a_module_list():
+    """A bare nn.ModuleList of blocks: names are "0.weight", "1.weight", ..."""
+    blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))
+    plan = plan_fragments(blocks, 2)
+    # strided: blocks 0 and 2 in fragment 0, 1 and 3 in fragment 1
+    assert plan[0].names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert plan[1].names == ["1.weight", "1.bias", "3.weight", "3.bias"]

@@ -8,10 +8,10 @@ import uuid
 
 import pytest
 import torch
-from replicas import train_replicas
 from torch import nn
 
 from diloco.config import SyncConfig
+from replicas import train_replicas
 
 # -- MaxText's two-replica case --------------------------------------------------------
 # y = x.w + b, MSE loss, inner plain SGD lr 0.1, H = 3, outer SGD lr 1.0, momentum
