@@ -20,8 +20,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from diloco import Aggregator, SyncConfig, Synchronizer, load_canonical, new_run, open_exchange
-from diloco import plan_for
+from diloco import (
+    Aggregator,
+    SyncConfig,
+    Synchronizer,
+    load_canonical,
+    new_run,
+    open_exchange,
+    plan_for,
+)
 from storage.objectstore import ObjectStore
 
 WORKERS = ("region-a", "region-b")
