@@ -350,6 +350,67 @@ class Synchronizer:
         for k in done[:-1]:
             del self._sent[(p, k)]
 
+    # -- checkpoint and resume -------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The synchroniser's state at a step boundary, for a worker checkpoint.
+
+        Waits until every round sent so far is committed, so that a resumed worker
+        can read its own contributions back from the store instead of keeping them
+        in the checkpoint. Rounds in flight are recorded and their means awaited
+        again after the resume.
+        """
+        for sent in self._sent.values():
+            sent.uploaded.result()
+        return {
+            "steps": self.stats.steps,
+            "tokens": self._tokens,
+            "tokens_at_send": list(self._tokens_at_send),
+            "next_round": list(self._next_round),
+            "outer": [
+                {"params": o.params.clone(),
+                 "momentum": None if o.momentum_buffer is None else o.momentum_buffer.clone()}
+                for o in self.outer
+            ],
+            "residual": [None if r is None else r.clone() for r in self.residual],
+            "sent": [
+                {"fragment": s.fragment, "round": s.round, "own_weight": s.own_weight,
+                 "own_applied": s.own_applied, "correction_applied": s.correction_applied}
+                for s in self._sent.values()
+            ],
+            "wait_seconds": self.stats.wait_seconds,
+            "rounds_sent": self.stats.rounds_sent,
+            "rounds_merged": self.stats.rounds_merged,
+            "late_means": self.stats.late_means,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from :meth:`state_dict` (the live weights are the caller's)."""
+        if self.stats.steps or self._sent:
+            raise RuntimeError("load_state_dict() must come before the first step()")
+        self.stats.steps = int(state["steps"])
+        self._tokens = int(state["tokens"])
+        self._tokens_at_send = [int(x) for x in state["tokens_at_send"]]
+        self._next_round = [int(x) for x in state["next_round"]]
+        for outer, saved in zip(self.outer, state["outer"], strict=True):
+            outer.load(saved["params"], saved["momentum"])
+        self.residual = [None if r is None else r.clone() for r in state["residual"]]
+        for entry in state["sent"]:
+            p, r = int(entry["fragment"]), int(entry["round"])
+            value, commit = self.exchange.fetch_delta(p, r, self.worker)
+            done: Future = Future()
+            done.set_result(Published(value, commit, False))
+            mean = self._poller.submit(self._await_mean, p, r)
+            self._sent[(p, r)] = _Sent(
+                p, r, done, done, mean,
+                own_applied=bool(entry["own_applied"]),
+                correction_applied=bool(entry["correction_applied"]),
+                own_weight=float(entry["own_weight"]),
+            )
+        self.stats.wait_seconds = float(state.get("wait_seconds", 0.0))
+        self.stats.rounds_sent = int(state.get("rounds_sent", 0))
+        self.stats.rounds_merged = int(state.get("rounds_merged", 0))
+        self.stats.late_means = int(state.get("late_means", 0))
+
     # -- introspection -------------------------------------------------------------
     def outer_params(self, p: int) -> torch.Tensor:
         return self.outer[p].params

@@ -83,6 +83,7 @@ def train_replicas(
     before_step: Callable[[str, int, Synchronizer], None] | None = None,
     wrap_exchange: Callable[[str, Exchange], Exchange] | None = None,
     aggregate: Callable[[threading.Event], Aggregator] | None = None,
+    restart_at: dict[str, int] | None = None,
     timeout: float = 120.0,
 ) -> Result:
     """Train ``workers`` replicas with plain SGD for ``total_steps`` each and run the
@@ -91,7 +92,9 @@ def train_replicas(
     ``before_step`` runs after the inner optimizer step and before ``sync.step()``
     (a test can hold a merge there until a mean has arrived); ``on_step`` runs after
     it; ``wrap_exchange`` gives a worker a modified view of the store; ``aggregate``
-    replaces the default aggregator thread (it must return the final Aggregator)."""
+    replaces the default aggregator thread (it must return the final Aggregator);
+    ``restart_at`` restarts a worker's synchroniser from its state_dict after the
+    given step, as a resumed worker process would."""
     loss_fn = loss_fn or nn.functional.mse_loss
     base = make_model()
     new_run(ObjectStore(url, storage_options=storage_options), base, config,
@@ -131,6 +134,20 @@ def train_replicas(
                 )
                 if on_step is not None:
                     on_step(worker, step, sync)
+                if restart_at and restart_at.get(worker) == step:
+                    # the worker process dies and comes back from its checkpoint
+                    state = sync.state_dict()
+                    live = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                    sync.close()
+                    ex = open_exchange(
+                        ObjectStore(url, storage_options=storage_options, name=worker))
+                    if wrap_exchange is not None:
+                        ex = wrap_exchange(worker, ex)
+                    sync = Synchronizer(model, ex, worker, plan_for(model, config),
+                                        initialise=False)
+                    sync.load_state_dict(state)
+                    model.load_state_dict(live)
+                    trace.sync = sync
             sync.finish()
         finally:
             sync.close()

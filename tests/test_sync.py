@@ -80,9 +80,9 @@ class HiddenMeans(Exchange):
     """A worker's view of the store in which a mean stays invisible until the test
     releases it: a slow link, made deterministic."""
 
-    def __init__(self, base: Exchange):
+    def __init__(self, base: Exchange, released: set[tuple[int, int]]):
         super().__init__(base.store, base.manifest)
-        self.released: set[tuple[int, int]] = set()
+        self.released = released
 
     def fetch_mean(self, fragment, round):
         if (fragment, round) not in self.released:
@@ -90,14 +90,16 @@ class HiddenMeans(Exchange):
         return super().fetch_mean(fragment, round)
 
 
-def _eager_run(cfg: SyncConfig, late: set[tuple[int, int]], total_steps: int = 16):
+def _eager_run(cfg: SyncConfig, late: set[tuple[int, int]], total_steps: int = 16,
+               restart_at: dict[str, int] | None = None):
     """Two workers. A mean in ``late`` reaches a worker one round late (released after
     the worker's merge of that round, awaited before its next merge of the fragment);
     every other mean is awaited before its merge (on time)."""
     views: dict[str, HiddenMeans] = {}
+    released: dict[str, set] = {"w0": set(), "w1": set()}
 
     def wrap(worker, ex):
-        views[worker] = HiddenMeans(ex)
+        views[worker] = HiddenMeans(ex, released[worker])
         return views[worker]
 
     def before(worker, step, sync):
@@ -123,7 +125,7 @@ def _eager_run(cfg: SyncConfig, late: set[tuple[int, int]], total_steps: int = 1
 
     return train_replicas(url(), Blocks, data, cfg, total_steps=total_steps,
                           wrap_exchange=wrap, before_step=before, on_step=release_all,
-                          inner_lr=0.05)
+                          inner_lr=0.05, restart_at=restart_at)
 
 
 EAGER = dict(sync_every=4, fragments=2, outer_lr=0.7, outer_momentum=0.5)
@@ -171,3 +173,33 @@ def test_adaptive_eager_applies_every_contribution_once():
         assert stats.late_means == len(late)
         assert stats.wait_seconds >= 0
         torch.testing.assert_close(_outer(res, w), canonical, rtol=1e-5, atol=1e-6)
+
+
+def test_synchronizer_resumes_exactly_from_its_state_dict():
+    """A worker restarted from state_dict() mid-run (a fragment in flight) continues
+    exactly as if it had not stopped."""
+    cfg = SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1, alpha=0.5,
+                     codec_up="int4", codec_down="int8", block_size=32)
+    plain = train_replicas(url(), Blocks, data, cfg, total_steps=14, inner_lr=0.05)
+    # step 5 is fragment 0's send of round 1 (s = 2, tau = 1): in flight at the restart
+    resumed = train_replicas(url(), Blocks, data, cfg, total_steps=14, inner_lr=0.05,
+                             restart_at={"w0": 5, "w1": 8})
+    for w in ("w0", "w1"):
+        assert plain.traces[w].losses == resumed.traces[w].losses
+        assert torch.equal(_outer(plain, w), _outer(resumed, w))
+
+
+def test_eager_synchronizer_resumes_exactly_with_late_means_pending():
+    """Adaptive eager with late means: restarted while a late mean's correction is
+    still owed, the worker applies it once after the resume, exactly as before."""
+    cfg = SyncConfig(mode="eager", overlap=1, alpha=0.5, codec_up="int4",
+                     codec_down="int8", block_size=32, **EAGER)
+    late = {(0, 0), (1, 1), (0, 2)}
+    plain = _eager_run(cfg, late)
+    # w0 restarts at step 3: fragment 0's round 0 merged with its mean still owed,
+    # fragment 1's round 0 in flight; w1 at step 10.
+    resumed = _eager_run(cfg, late, restart_at={"w0": 3, "w1": 10})
+    for w in ("w0", "w1"):
+        assert plain.traces[w].losses == resumed.traces[w].losses
+        assert torch.equal(_outer(plain, w), _outer(resumed, w))
+        assert resumed.traces[w].sync.stats.late_means == len(late)
