@@ -12,6 +12,7 @@ from a zarr read.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from typing import Any
 
@@ -50,7 +51,9 @@ def encode_array(
     reader will get back, which the caller needs for error feedback. Without it the
     array is stored losslessly in its own dtype (checkpoints).
     """
-    x = np.ascontiguousarray(x)
+    x = np.asarray(x, order="C")  # keeps 0-d arrays 0-d (ascontiguousarray would not)
+    if not x.dtype.isnative:
+        x = x.astype(x.dtype.newbyteorder("="))
     if codec is not None:
         if x.ndim != 1 or x.dtype != np.float32:
             raise ValueError(f"coded arrays are 1-D float32, got {x.dtype} {x.shape}")
@@ -129,6 +132,16 @@ def read_array(
         arr = zarr.open_array(store=MemoryStore(contents, read_only=True), mode="r")
     except Exception as exc:
         raise CorruptObject(f"{label}: not a readable zarr array: {exc}") from exc
+    # zarr 3.1 reads a chunk that is absent as the fill value: every chunk the array
+    # has must be in the record, or the read would silently produce zeros.
+    if all(arr.shape):
+        grid = itertools.product(*(range(n) for n in arr.cdata_shape))
+        for coords in grid:
+            name = arr.metadata.encode_chunk_key(coords)
+            if name not in record:
+                raise PartialObject(
+                    f"{label}: chunk {store.full_url(f'{prefix}/{name}')} is not in its record"
+                )
     if shape is not None and tuple(arr.shape) != tuple(shape):
         raise ShapeMismatch(f"{label}: shape {tuple(arr.shape)}, expected {tuple(shape)}")
     if dtype is not None and np.dtype(arr.dtype) != np.dtype(dtype):

@@ -37,6 +37,8 @@ def write_checkpoint(
     entries = {}
     for name, value in arrays.items():
         value = np.asarray(value)
+        if not value.dtype.isnative:
+            value = value.astype(value.dtype.newbyteorder("="))
         record, _ = write_array(store, f"{base}/{name}", value)
         entries[name] = {
             "prefix": f"{base}/{name}",

@@ -529,6 +529,20 @@ class ObjectStore:
         self._run("delete", f"{prefix}/", lambda _attempt: self._delete_raw(base, paths))
         self.traffic.record("delete", self._tkey(f"{prefix}/"))
 
+    def delete(self, key: str) -> None:
+        """Delete one object. A missing key is fine (deletes are retried)."""
+        key = validate_key(key)
+        path = self._join(key)
+
+        def remove(_attempt: int) -> None:
+            try:
+                self._fs.rm(path) if self._kind != "s3" else self._fs.rm([path])
+            except FileNotFoundError:
+                pass
+
+        self._run("delete", key, remove)
+        self.traffic.record("delete", self._tkey(key))
+
     # -- retries ------------------------------------------------------------------
 
     def _run(self, op: str, key: str, fn: Callable[[int], T]) -> T:

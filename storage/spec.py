@@ -53,6 +53,11 @@ class CodecEntry(BaseModel):
     name: str
     block_size: int
 
+    @model_validator(mode="after")
+    def _valid(self) -> CodecEntry:
+        self.spec()  # ValueError naming the codec and the allowed ones, at this field
+        return self
+
     def spec(self) -> CodecSpec:
         return CodecSpec(self.name, self.block_size)
 
@@ -88,8 +93,6 @@ class RunManifest(BaseModel):
             raise ValueError(
                 f"rounds: {len(self.rounds)} entries for {len(self.fragments)} fragments"
             )
-        self.codec_up.spec()
-        self.codec_down.spec()
         return self
 
     def numel(self, fragment: int) -> int:

@@ -74,13 +74,6 @@ def test_empty_arrays_store_no_chunks(make_store):
     assert got["empty"].shape == (0,) and got["empty"].dtype == np.float32 and meta == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ShapeMismatch,
-    reason="bug: storage/arrays.py encode_array calls np.ascontiguousarray, which turns a "
-    "0-d array into shape (1,); write_checkpoint records shape [] and commits, so the "
-    "checkpoint is written but can never be read (ShapeMismatch: shape (1,), expected ())",
-)
 @pytest.mark.parametrize(
     "value",
     [np.int64(123456789012), np.array(2.5, dtype=np.float32), np.array(7, dtype=np.uint8)],
@@ -94,13 +87,6 @@ def test_zero_dimensional_arrays_round_trip(make_store, value):
     assert got["step"].item() == np.asarray(value).item()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ShapeMismatch,
-    reason="bug: storage/checkpoints.py write_checkpoint records value.dtype.str ('>i4') "
-    "but zarr stores and returns the native-order dtype; read_array's dtype check then "
-    "refuses the checkpoint it wrote",
-)
 def test_non_native_byte_order_round_trips(make_store):
     store = make_store()
     value = np.arange(5, dtype=">i4")

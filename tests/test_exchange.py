@@ -237,12 +237,6 @@ def test_open_run_with_unknown_codec(make_store):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: storage/spec.py RunManifest._consistent calls codec_up.spec() and "
-    "codec_down.spec() in the model-level validator, so the error reads 'codec: unknown "
-    "codec' with no location and never says whether codec_up or codec_down is wrong",
-)
 def test_open_run_with_unknown_codec_names_the_field(make_store):
     store = make_store()
     _write_manifest_dict(store, lambda d: d["codec_down"].update(name="int3"))
@@ -473,11 +467,6 @@ def test_nan_contribution_is_non_finite_values(new_run):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: storage/arrays.py read_array fetches only the parts its record lists; "
-    "a commit whose record omits a chunk decodes that chunk as the fill value, zeros",
-)
 def test_commit_that_omits_a_chunk_is_partial_not_zeros(published):
     run, pub = published
     commit = json.loads(json.dumps(pub.commit))
