@@ -535,10 +535,8 @@ class ObjectStore:
         path = self._join(key)
 
         def remove(_attempt: int) -> None:
-            try:
+            with suppress(FileNotFoundError):
                 self._fs.rm(path) if self._kind != "s3" else self._fs.rm([path])
-            except FileNotFoundError:
-                pass
 
         self._run("delete", key, remove)
         self.traffic.record("delete", self._tkey(key))

@@ -18,7 +18,7 @@ from storage.checkpoints import (
     read_checkpoint,
     write_checkpoint,
 )
-from storage.errors import CorruptObject, ObjectMissing, PartialObject, ShapeMismatch
+from storage.errors import CorruptObject, ObjectMissing, PartialObject
 from storage.objectstore import ObjectStore, RetryPolicy
 
 FAST = RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.005)
