@@ -1,0 +1,147 @@
+"""Run one worker, create a run, or run the aggregator, from the command line.
+
+    python -m workers --run URL --create [--config tiny] [--set train.steps=100 ...]
+    python -m workers --run URL --worker region-a
+    python -m workers --run URL --aggregate
+    torchrun --nproc-per-node 2 -m workers --run URL --worker region-a   # a 2-process island
+
+A worker needs only the run's URL (and the bucket's credentials): its whole
+configuration is in the run manifest. On SIGTERM it saves a checkpoint and exits
+with status 143; started again with the same arguments, it resumes exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+import yaml
+
+EXIT_INTERRUPTED = 143
+
+
+def _options(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(f"--storage-option {item!r}: expected key=value")
+        k, v = item.split("=", 1)
+        out[k] = yaml.safe_load(v)
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m workers", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--run", required=True, help="the run's URL: a path, file://, memory:// or s3://")
+    action = p.add_mutually_exclusive_group(required=True)
+    action.add_argument("--worker", help="train as this worker (a name from the run's workers)")
+    action.add_argument("--create", action="store_true", help="create the run from --config")
+    action.add_argument("--aggregate", action="store_true", help="run the aggregator")
+    p.add_argument("--config", default=None, help="recipe name in configs/ or a YAML path (--create)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. train.steps=100 (repeatable; --create)")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    opts = _options(args.storage_option) or None
+    try:
+        if args.create:
+            return _create(args, opts)
+        if args.aggregate:
+            return _aggregate(args, opts)
+        return _train(args, opts)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a message a user can act on, not a traceback
+        if args.log_level == "DEBUG":
+            raise
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _create(args: argparse.Namespace, opts: dict | None) -> int:
+    from workers.config import load_config  # noqa: PLC0415
+    from workers.runs import create_run  # noqa: PLC0415
+
+    cfg = load_config(args.config, args.overrides)
+    ex = create_run(cfg, args.run, storage_options=opts)
+    print(json.dumps({"run": args.run, "workers": ex.manifest.workers,
+                      "rounds": ex.manifest.rounds}))
+    return 0
+
+
+def _aggregate(args: argparse.Namespace, opts: dict | None) -> int:
+    from diloco.aggregator import Aggregator  # noqa: PLC0415
+    from diloco.run import open_exchange  # noqa: PLC0415
+    from storage.objectstore import ObjectStore  # noqa: PLC0415
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    agg = Aggregator(open_exchange(ObjectStore(args.run, storage_options=opts)))
+    stats = agg.run(stop)
+    print(json.dumps({"rounds": len(stats.rounds), "rejected": stats.rejected,
+                      "done": agg.done}))
+    return 0 if agg.done else EXIT_INTERRUPTED
+
+
+def _train(args: argparse.Namespace, opts: dict | None) -> int:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from workers.train import Group, Interrupted, WorkerLoop  # noqa: PLC0415
+
+    group = Group.from_env()
+    if group.size > 1:
+        import torch  # noqa: PLC0415
+
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    loop = WorkerLoop(args.run, args.worker, storage_options=opts, stop=stop, group=group,
+                      metrics=_log_metrics(args.worker))
+    try:
+        result = loop.run()
+    except Interrupted as exc:
+        print(json.dumps({"worker": args.worker, "interrupted_after": exc.step}))
+        return EXIT_INTERRUPTED
+    finally:
+        loop.close()
+        if group.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+    if group.leader:
+        print(json.dumps(result.to_dict()))
+    return 0
+
+
+def _log_metrics(worker: str):
+    log = logging.getLogger(f"workers.{worker}")
+
+    def emit(m: dict[str, Any]) -> None:
+        if "loss" in m:
+            log.info("step %d loss %.4f lr %.2e %.0f tok/s wait %.2fs up %d B down %d B",
+                     m["step"], m["loss"], m["lr"], m["tokens_per_s"], m.get("wait_s", 0.0),
+                     m["bytes_up"], m["bytes_down"])
+        elif "eval_loss" in m:
+            log.info("step %d eval loss %.4f", m["step"], m["eval_loss"])
+
+    return emit
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The whole configuration of a training run, loaded from a YAML recipe.
+
+One pydantic tree: ``model`` (a preset name plus overrides), ``data``, ``optim``,
+``train``, ``sync`` (the synchroniser's SyncConfig) and the run's ``workers`` and
+``store``. Every field has a default that works for the tiny local run; every
+error names the field, the file and what is allowed. ``--set key=value`` overrides
+use dotted paths (``sync.sync_every=20``, ``model.n_layers=2``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from diloco.config import SyncConfig
+from workers.model import PRESETS, ModelConfig
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class _Strict(BaseModel):
+    """Rejects unknown fields with the list of allowed ones."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: object) -> object:
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(cls.model_fields))
+            if unknown:
+                raise ValueError(
+                    f"unknown field(s) {', '.join(unknown)}; allowed: "
+                    f"{', '.join(cls.model_fields)}"
+                )
+        return data
+
+
+class ModelSection(_Strict):
+    """A preset plus overrides of any ModelConfig field."""
+
+    preset: str = "tiny"
+    overrides: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _valid(self) -> ModelSection:
+        if self.preset not in PRESETS:
+            raise ValueError(
+                f"model.preset {self.preset!r} is not known; allowed: {', '.join(PRESETS)}"
+            )
+        self.resolve()
+        return self
+
+    def resolve(self) -> ModelConfig:
+        base = PRESETS[self.preset].model_dump()
+        unknown = sorted(set(self.overrides) - set(base))
+        if unknown:
+            raise ValueError(
+                f"model.overrides: unknown field(s) {', '.join(unknown)}; allowed: "
+                f"{', '.join(base)}"
+            )
+        return ModelConfig(**{**base, **self.overrides})
+
+
+class DataConfig(_Strict):
+    """Where the tokens come from and how each worker reads its part."""
+
+    dataset: str | None = Field(
+        default=None, description="URL of a prepared dataset; default: <store>/data"
+    )
+    sources: list[str] = Field(
+        default_factory=lambda: ["builtin:shakespeare"],
+        description="what prepare-data reads when the dataset does not exist yet",
+    )
+    tokenizer: str = "byte"
+    val_fraction: float = Field(default=0.01, gt=0.0, lt=0.5)
+    split: Literal["even", "by_file"] = "even"
+    seq_len: int = Field(default=128, ge=2)
+    batch_size: int = Field(default=16, ge=1, description="sequences per inner step per worker")
+
+
+class OptimConfig(_Strict):
+    """The inner optimizer: AdamW with linear warmup then cosine decay."""
+
+    lr: float = Field(default=3e-3, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(default=0.1, ge=0.0)
+    eps: float = Field(default=1e-8, gt=0.0)
+    warmup_steps: int = Field(default=50, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    grad_clip: float = Field(default=1.0, ge=0.0, description="0 disables clipping")
+    grad_accum: int = Field(default=1, ge=1, description="micro-batches per inner step")
+
+
+class TrainConfig(_Strict):
+    """Length of the run, evaluation, checkpoints."""
+
+    steps: int = Field(default=600, ge=1, description="inner steps per worker")
+    eval_every: int = Field(default=100, ge=0, description="0: only at the end")
+    eval_batches: int = Field(default=8, ge=1)
+    checkpoint_every: int = Field(default=100, ge=0, description="0: only on SIGTERM")
+    log_every: int = Field(default=10, ge=1)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    strategy: Literal["diloco", "data_parallel"] = Field(
+        default="diloco",
+        description="data_parallel: the baseline, gradients all-reduced every step",
+    )
+    threads: int = Field(default=0, ge=0, description="torch threads per worker; 0 = default")
+
+
+class RunConfig(_Strict):
+    """Everything a run needs; stored whole in the run manifest."""
+
+    name: str = "tiny"
+    store: str = Field(default="runs", description="root URL under which runs are created")
+    workers: list[str] = Field(default_factory=lambda: ["region-a", "region-b"])
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        if not self.workers:
+            raise ValueError("workers: at least one worker is needed")
+        if len(set(self.workers)) != len(self.workers):
+            raise ValueError(f"workers: names must be unique, got {self.workers}")
+        model = self.model.resolve()
+        if self.data.seq_len > model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len = {self.data.seq_len} exceeds the model's max_seq_len = "
+                f"{model.max_seq_len}"
+            )
+        return self
+
+    @property
+    def model_config_resolved(self) -> ModelConfig:
+        return self.model.resolve()
+
+    def dataset_url(self, run_url: str) -> str:
+        return self.data.dataset or f"{run_url.rstrip('/')}/data"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message says where and why."""
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``key.path=value`` with the value parsed as YAML (numbers, lists, true/false)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.steps=100")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set {item!r}: the key is empty")
+    return key, yaml.safe_load(raw) if raw.strip() else ""
+
+
+def resolve_recipe(name_or_path: str | Path) -> Path:
+    """A path, or the name of a recipe in configs/ (``tiny`` -> configs/tiny.yaml)."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    candidate = CONFIGS_DIR / f"{name_or_path}.yaml"
+    if candidate.exists():
+        return candidate
+    recipes = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+    raise ConfigError(
+        f"config {str(name_or_path)!r} is neither a file nor a recipe; recipes: "
+        f"{', '.join(recipes)}"
+    )
+
+
+def load_config(
+    source: str | Path | dict[str, Any] | None = None, overrides: list[str] | None = None
+) -> RunConfig:
+    """Load a recipe (path, recipe name, dict, or None for the defaults) and apply
+    ``key=value`` overrides. Raises ConfigError naming the file and the field."""
+    where = "defaults"
+    if source is None:
+        tree: dict[str, Any] = {}
+    elif isinstance(source, dict):
+        tree, where = dict(source), "the given config"
+    else:
+        path = resolve_recipe(source)
+        where = str(path)
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{where}: not valid YAML: {exc}") from exc
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{where}: the top level must be a mapping of sections")
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set_dotted(tree, key, value)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"  {loc}: {msg}")
+        raise ConfigError(f"{where}: invalid configuration\n" + "\n".join(lines)) from None

@@ -1,0 +1,371 @@
+"""The inner loop of one worker (one training island in one region).
+
+AdamW with linear warmup and cosine decay, gradient clipping and accumulation, bf16
+autocast on GPU (float32 on CPU), evaluation every N steps, the synchroniser called
+after every inner step, checkpoints every K steps and on SIGTERM, metrics through a
+callback (no MLflow here).
+
+Two strategies:
+- ``diloco``: Streaming DiLoCo through the run's store (the product).
+- ``data_parallel``: the baseline users would otherwise pick: the same model, data
+  and token budget, gradients all-reduced every step through torch.distributed
+  (gloo on CPU, NCCL on GPU), one process per worker.
+
+An island may be several processes under torchrun doing data parallel inside the
+region: every rank computes its slice of the island's batch, gradients are
+averaged inside the island, and rank 0 alone talks to the store, broadcasting each
+fragment after it merges.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from diloco.replica import Synchronizer
+from diloco.run import open_exchange, plan_for
+from diloco.schedule import Schedule
+from storage.objectstore import ObjectStore
+from workers import checkpoint
+from workers.config import RunConfig
+from workers.data import WorkerStream, open_dataset, val_batches
+from workers.model import Transformer, build_model
+
+log = logging.getLogger(__name__)
+
+Metrics = Callable[[dict[str, Any]], None]
+
+
+class Interrupted(Exception):
+    """The worker was asked to stop (SIGTERM); its checkpoint is in the store."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped after step {step}; checkpoint saved")
+        self.step = step
+
+
+@dataclass
+class WorkerResult:
+    worker: str
+    steps: int
+    tokens: int
+    seconds: float
+    final_loss: float
+    eval_loss: float | None
+    wait_seconds: float
+    bytes_up: int
+    bytes_down: int
+    resumed_from: int | None
+    losses: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("losses")
+        return d
+
+
+@dataclass(frozen=True)
+class Group:
+    """This process's place in its group: the island (diloco) or all workers
+    (data_parallel). ``size`` 1 means no torch.distributed."""
+
+    rank: int = 0
+    size: int = 1
+
+    @classmethod
+    def from_env(cls) -> Group:
+        return cls(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Learning rate for inner step ``step`` (1-based): linear warmup, cosine decay
+    to ``min_lr_ratio * lr`` at the last step."""
+    o, total = cfg.optim, cfg.train.steps
+    if o.warmup_steps and step <= o.warmup_steps:
+        return o.lr * step / o.warmup_steps
+    span = max(1, total - o.warmup_steps)
+    progress = min(1.0, (step - o.warmup_steps) / span)
+    floor = o.lr * o.min_lr_ratio
+    return floor + (o.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def pick_device(cfg: RunConfig) -> torch.device:
+    if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device is 'cuda' but no CUDA device is available")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def make_optimizer(model: Transformer, cfg: RunConfig) -> torch.optim.AdamW:
+    """AdamW; no weight decay on norms (1-D parameters), as is usual for Llama."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    o = cfg.optim
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr, betas=o.betas, eps=o.eps, foreach=False,
+    )
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, batches: list, device: torch.device) -> float:
+    """Mean loss over fixed validation batches."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        with _autocast(device):
+            _, loss = model(x.to(device), y.to(device))
+        total += float(loss)
+    model.train(was_training)
+    return total / max(1, len(batches))
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def _average_gradients(model: Transformer, size: int) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad.div_(size)
+
+
+class WorkerLoop:
+    """One worker's training, from a run in the store to its final rounds."""
+
+    def __init__(
+        self,
+        run_url: str,
+        worker: str,
+        *,
+        storage_options: dict | None = None,
+        metrics: Metrics | None = None,
+        stop: threading.Event | None = None,
+        group: Group | None = None,
+    ):
+        self.store = ObjectStore(run_url, storage_options=storage_options, name=worker)
+        self.exchange = open_exchange(self.store)
+        manifest = self.exchange.manifest
+        if worker not in manifest.workers:
+            raise ValueError(
+                f"worker {worker!r} is not in run {manifest.run_id!r}; workers: "
+                f"{', '.join(manifest.workers)}"
+            )
+        self.cfg = RunConfig.model_validate(manifest.config)
+        self.worker = worker
+        self.index = manifest.workers.index(worker)
+        self.metrics = metrics or (lambda m: None)
+        self.stop = stop or threading.Event()
+        self.group = group or Group()
+        self.device = pick_device(self.cfg)
+        if self.cfg.train.threads:
+            torch.set_num_threads(self.cfg.train.threads)
+
+        self.dataset = open_dataset(self.cfg.dataset_url(run_url), storage_options)
+        mcfg = self.cfg.model_config_resolved
+        if self.dataset.vocab_size > mcfg.vocab_size:
+            raise ValueError(
+                f"the dataset's vocabulary ({self.dataset.vocab_size}) is larger than the "
+                f"model's vocab_size ({mcfg.vocab_size})"
+            )
+        self.model = build_model(mcfg, seed=self.cfg.train.seed).to(self.device)
+        self.plan = plan_for(self.model, self.cfg.sync)
+        self.plan.check_against([f.model_dump() for f in manifest.fragments])
+
+        b, size = self.cfg.data.batch_size, self.group.size
+        dp = self.cfg.train.strategy == "data_parallel"
+        if not dp and b % size:
+            raise ValueError(
+                f"data.batch_size = {b} must be divisible by the island's {size} processes"
+            )
+        stream_index, stream_count = (self.index, len(manifest.workers))
+        self.stream = WorkerStream(
+            self.dataset, stream_index, stream_count, split=self.cfg.data.split,
+            seq_len=self.cfg.data.seq_len, batch_size=b, seed=self.cfg.train.seed,
+        )
+        self.val = val_batches(self.dataset, seq_len=self.cfg.data.seq_len, batch_size=b,
+                               num_batches=self.cfg.train.eval_batches)
+        self.opt = make_optimizer(self.model, self.cfg)
+        self.sync: Synchronizer | None = None
+        self.schedule = Schedule(self.cfg.sync.sync_every, self.cfg.sync.fragments,
+                                 self.cfg.sync.send_offset)
+        self.step = 0
+        self.tokens = 0
+        self.resumed_from: int | None = None
+        self._restore()
+
+    # -- state ---------------------------------------------------------------------
+    def _uses_sync(self) -> bool:
+        return self.cfg.train.strategy == "diloco"
+
+    def _restore(self) -> None:
+        saved = checkpoint.load(self.store, self.worker)
+        if self._uses_sync() and self.group.leader:
+            self.sync = Synchronizer(self.model, self.exchange, self.worker, self.plan,
+                                     initialise=saved is None)
+        elif self._uses_sync() or self.cfg.train.strategy == "data_parallel":
+            # followers and the baseline start from the run's initial parameters too
+            from diloco.run import load_initial  # noqa: PLC0415
+
+            for p, v in enumerate(load_initial(self.exchange, len(self.plan))):
+                self.plan.scatter(self.model, p, v)
+        if saved is None:
+            return
+        step, state = saved
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.stream.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"])
+        if self.sync is not None:
+            self.sync.load_state_dict(state["sync"])
+        self.step, self.tokens = step, int(state["tokens"])
+        self.resumed_from = step
+        log.info("worker %s: resumed from the checkpoint of step %d", self.worker, step)
+
+    def save(self) -> None:
+        if not self.group.leader:
+            return
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "data": self.stream.state_dict(),
+            "rng": torch.get_rng_state(),
+            "tokens": self.tokens,
+            "sync": self.sync.state_dict() if self.sync is not None else None,
+        }
+        checkpoint.save(self.store, self.worker, self.step, state)
+        log.info("worker %s: checkpoint at step %d", self.worker, self.step)
+
+    # -- the loop ------------------------------------------------------------------
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.stream.next_batch()
+        if self.group.size > 1 and self.cfg.train.strategy == "diloco":
+            n = x.shape[0] // self.group.size
+            lo = self.group.rank * n
+            x, y = x[lo : lo + n], y[lo : lo + n]
+        return x.to(self.device), y.to(self.device)
+
+    def _broadcast_merged(self, step: int) -> None:
+        """Inside an island: after rank 0 merged a fragment, every rank takes it."""
+        for event in self.schedule.events(step):
+            if event.kind != "merge":
+                continue
+            for spec in self.plan[event.fragment].params:
+                dist.broadcast(dict(self.model.named_parameters())[spec.name].data, src=0)
+
+    def run(self) -> WorkerResult:
+        cfg, total = self.cfg, self.cfg.train.steps
+        accum = cfg.optim.grad_accum
+        island = self.group.size if cfg.train.strategy == "diloco" else 1
+        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * accum
+        if cfg.train.strategy == "data_parallel":
+            tokens_per_step = tokens_per_step  # each worker its own batch, as in diloco
+        losses: list[float] = []
+        start = time.perf_counter()
+        window_start, window_tokens = start, 0
+        eval_loss = None
+        self.model.train()
+        while self.step < total:
+            if self.stop.is_set():
+                self.save()
+                raise Interrupted(self.step)
+            step = self.step + 1
+            lr = lr_at(step, cfg)
+            for group in self.opt.param_groups:
+                group["lr"] = lr
+            self.opt.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for _ in range(accum):
+                x, y = self._batch()
+                with _autocast(self.device):
+                    _, loss = self.model(x, y)
+                (loss / accum).backward()
+                loss_sum += float(loss.detach()) / accum
+            if self.group.size > 1:
+                _average_gradients(self.model, self.group.size)
+                t = torch.tensor([loss_sum], dtype=torch.float64)
+                dist.all_reduce(t)
+                loss_sum = float(t) / self.group.size
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+            self.opt.step()
+            self.step = step
+            self.tokens += tokens_per_step
+            window_tokens += tokens_per_step
+            if self.sync is not None:
+                self.sync.step(tokens=tokens_per_step)
+            if island > 1:
+                self._broadcast_merged(step)
+            losses.append(loss_sum)
+
+            if step % cfg.train.log_every == 0 or step == total:
+                now = time.perf_counter()
+                self._report(step, loss_sum, lr, window_tokens / max(1e-9, now - window_start))
+                window_start, window_tokens = now, 0
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != total:
+                eval_loss = evaluate(self.model, self.val, self.device)
+                self.metrics({"worker": self.worker, "step": step, "eval_loss": eval_loss})
+            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
+                self.save()
+
+        if self.sync is not None:
+            self.sync.finish()
+        if island > 1:
+            for p in range(len(self.plan)):
+                for spec in self.plan[p].params:
+                    dist.broadcast(dict(self.model.named_parameters())[spec.name].data, src=0)
+        eval_loss = evaluate(self.model, self.val, self.device)
+        self.metrics({"worker": self.worker, "step": self.step, "eval_loss": eval_loss,
+                      "final": True})
+        traffic = self.store.traffic
+        return WorkerResult(
+            worker=self.worker,
+            steps=self.step,
+            tokens=self.tokens,
+            seconds=time.perf_counter() - start,
+            final_loss=losses[-1] if losses else float("nan"),
+            eval_loss=eval_loss,
+            wait_seconds=self.sync.stats.wait_seconds if self.sync else 0.0,
+            bytes_up=traffic.bytes_up,
+            bytes_down=traffic.bytes_down,
+            resumed_from=self.resumed_from,
+            losses=losses,
+        )
+
+    def _report(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:
+        m: dict[str, Any] = {
+            "worker": self.worker, "step": step, "loss": loss, "lr": lr,
+            "tokens_per_s": tokens_per_s, "tokens": self.tokens,
+            "bytes_up": self.store.traffic.bytes_up,
+            "bytes_down": self.store.traffic.bytes_down,
+        }
+        if self.sync is not None:
+            st = self.sync.stats
+            m["wait_s"] = st.wait_seconds
+            m["staleness"] = (sum(st.staleness) / len(st.staleness)) if st.staleness else 0.0
+            m["late_means"] = st.late_means
+        self.metrics(m)
+
+    def close(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
