@@ -3,7 +3,9 @@
     python -m workers --run URL --create [--config tiny] [--set train.steps=100 ...]
     python -m workers --run URL --worker region-a
     python -m workers --run URL --aggregate
-    torchrun --nproc-per-node 2 -m workers --run URL --worker region-a   # a 2-process island
+    torchrun --nproc-per-node 2 -m workers -- --run URL --worker region-a   # a 2-process island
+
+(The "--" keeps torchrun from reading --run as an abbreviation of its --run-path.)
 
 A worker needs only the run's URL (and the bucket's credentials): its whole
 configuration is in the run manifest. On SIGTERM it saves a checkpoint and exits
@@ -43,7 +45,8 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--run", required=True, help="the run's URL: a path, file://, memory:// or s3://")
     action = p.add_mutually_exclusive_group(required=True)
-    action.add_argument("--worker", help="train as this worker (a name from the run's workers)")
+    action.add_argument("--worker", help="train as this worker (a name from the run's workers; "
+                        "'auto' under torchrun for the data-parallel baseline: rank i is worker i)")
     action.add_argument("--create", action="store_true", help="create the run from --config")
     action.add_argument("--aggregate", action="store_true", help="run the aggregator")
     p.add_argument("--config", default=None, help="recipe name in configs/ or a YAML path (--create)")
@@ -123,21 +126,20 @@ def _train(args: argparse.Namespace, opts: dict | None) -> int:
         loop.close()
         if group.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-    if group.leader:
-        print(json.dumps(result.to_dict()))
+    print(json.dumps(result.to_dict()))
     return 0
 
 
 def _log_metrics(worker: str):
-    log = logging.getLogger(f"workers.{worker}")
+    log = logging.getLogger("workers.progress")
 
     def emit(m: dict[str, Any]) -> None:
         if "loss" in m:
-            log.info("step %d loss %.4f lr %.2e %.0f tok/s wait %.2fs up %d B down %d B",
-                     m["step"], m["loss"], m["lr"], m["tokens_per_s"], m.get("wait_s", 0.0),
-                     m["bytes_up"], m["bytes_down"])
+            log.info("%s step %d loss %.4f lr %.2e %.0f tok/s wait %.2fs up %d B down %d B",
+                     m["worker"], m["step"], m["loss"], m["lr"], m["tokens_per_s"],
+                     m.get("wait_s", 0.0), m["bytes_up"], m["bytes_down"])
         elif "eval_loss" in m:
-            log.info("step %d eval loss %.4f", m["step"], m["eval_loss"])
+            log.info("%s step %d eval loss %.4f", m["worker"], m["step"], m["eval_loss"])
 
     return emit
 

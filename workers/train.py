@@ -165,6 +165,11 @@ class WorkerLoop:
     ):
         # Exchange traffic is what the product reports; checkpoints go through their
         # own client so that their bytes are counted apart.
+        self.group = group or Group()
+        if worker == "auto":  # the data-parallel baseline: rank i is worker i
+            worker = open_exchange(
+                ObjectStore(run_url, storage_options=storage_options)
+            ).manifest.workers[self.group.rank]
         self.store = ObjectStore(run_url, storage_options=storage_options, name=worker)
         self.ckpt_store = ObjectStore(run_url, storage_options=storage_options,
                                       name=f"{worker}-checkpoints")
@@ -180,7 +185,6 @@ class WorkerLoop:
         self.index = manifest.workers.index(worker)
         self.metrics = metrics or (lambda m: None)
         self.stop = stop or threading.Event()
-        self.group = group or Group()
         self.device = pick_device(self.cfg)
         if self.cfg.train.threads:
             torch.set_num_threads(self.cfg.train.threads)
@@ -198,6 +202,11 @@ class WorkerLoop:
 
         b, size = self.cfg.data.batch_size, self.group.size
         dp = self.cfg.train.strategy == "data_parallel"
+        if dp and self.group.size not in (1, len(manifest.workers)):
+            raise ValueError(
+                f"train.strategy data_parallel runs one process per worker: "
+                f"{len(manifest.workers)} workers but {self.group.size} processes"
+            )
         if not dp and b % size:
             raise ValueError(
                 f"data.batch_size = {b} must be divisible by the island's {size} processes"
@@ -247,7 +256,8 @@ class WorkerLoop:
         log.info("worker %s: resumed from the checkpoint of step %d", self.worker, step)
 
     def save(self) -> None:
-        if not self.group.leader:
+        # an island saves once (rank 0); in the baseline every rank is a worker
+        if not (self.group.leader or self.cfg.train.strategy == "data_parallel"):
             return
         state = {
             "model": self.model.state_dict(),
@@ -263,7 +273,7 @@ class WorkerLoop:
     # -- the loop ------------------------------------------------------------------
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.stream.next_batch()
-        if self.group.size > 1 and self.cfg.train.strategy == "diloco":
+        if self.group.size > 1 and self.cfg.train.strategy == "diloco":  # an island
             n = x.shape[0] // self.group.size
             lo = self.group.rank * n
             x, y = x[lo : lo + n], y[lo : lo + n]
@@ -281,9 +291,9 @@ class WorkerLoop:
         cfg, total = self.cfg, self.cfg.train.steps
         accum = cfg.optim.grad_accum
         island = self.group.size if cfg.train.strategy == "diloco" else 1
+        # tokens this worker (island) processes per inner step; the baseline's workers
+        # each draw their own batch too, so both strategies see the same tokens
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * accum
-        if cfg.train.strategy == "data_parallel":
-            tokens_per_step = tokens_per_step  # each worker its own batch, as in diloco
         losses: list[float] = []
         start = time.perf_counter()
         window_start, window_tokens = start, 0
