@@ -93,11 +93,23 @@ def _aggregate(args: argparse.Namespace, opts: dict | None) -> int:
     from diloco.aggregator import Aggregator  # noqa: PLC0415
     from diloco.run import open_exchange  # noqa: PLC0415
     from storage.objectstore import ObjectStore  # noqa: PLC0415
+    from workers.status import StatusBoard  # noqa: PLC0415
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    agg = Aggregator(open_exchange(ObjectStore(args.run, storage_options=opts)))
+    board = StatusBoard(ObjectStore(args.run, storage_options=opts, name="status"), "aggregator")
+    board.register()
+    ex = open_exchange(ObjectStore(args.run, storage_options=opts))
+    total = sum(ex.manifest.rounds)
+
+    def on_round(report) -> None:
+        board.update("running", rounds=len(agg.stats.rounds), total_rounds=total,
+                     rejected=agg.stats.rejected)
+
+    agg = Aggregator(ex, on_round=on_round)
     stats = agg.run(stop)
+    board.update("finished" if agg.done else "interrupted", force=True,
+                 rounds=len(stats.rounds), total_rounds=total, rejected=stats.rejected)
     print(json.dumps({"rounds": len(stats.rounds), "rejected": stats.rejected,
                       "done": agg.done}))
     return 0 if agg.done else EXIT_INTERRUPTED

@@ -40,6 +40,7 @@ from workers import checkpoint
 from workers.config import RunConfig
 from workers.data import WorkerStream, open_dataset, val_batches
 from workers.model import Transformer, build_model
+from workers.status import StatusBoard
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,10 @@ class WorkerLoop:
         self.store = ObjectStore(run_url, storage_options=storage_options, name=worker)
         self.ckpt_store = ObjectStore(run_url, storage_options=storage_options,
                                       name=f"{worker}-checkpoints")
+        self.status = StatusBoard(
+            ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-status"),
+            worker,
+        )
         self.exchange = open_exchange(self.store)
         manifest = self.exchange.manifest
         if worker not in manifest.workers:
@@ -288,6 +293,16 @@ class WorkerLoop:
                 dist.broadcast(dict(self.model.named_parameters())[spec.name].data, src=0)
 
     def run(self) -> WorkerResult:
+        """Train to the end; the status board says ``failed`` if anything raises."""
+        try:
+            return self._run()
+        except Interrupted:
+            raise
+        except BaseException as exc:
+            self._status("failed", force=True, error=f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _run(self) -> WorkerResult:
         cfg, total = self.cfg, self.cfg.train.steps
         accum = cfg.optim.grad_accum
         island = self.group.size if cfg.train.strategy == "diloco" else 1
@@ -299,9 +314,15 @@ class WorkerLoop:
         window_start, window_tokens = start, 0
         eval_loss = None
         self.model.train()
+        if self.group.leader or cfg.train.strategy == "data_parallel":
+            self.status.register(total_steps=total, strategy=cfg.train.strategy,
+                                 island=self.group.size if island > 1 else 1)
+        else:
+            self.status = None  # followers of an island stay silent
         while self.step < total:
             if self.stop.is_set():
                 self.save()
+                self._status("interrupted", force=True, loss=losses[-1] if losses else None)
                 raise Interrupted(self.step)
             step = self.step + 1
             lr = lr_at(step, cfg)
@@ -336,6 +357,7 @@ class WorkerLoop:
                 now = time.perf_counter()
                 self._report(step, loss_sum, lr, window_tokens / max(1e-9, now - window_start))
                 window_start, window_tokens = now, 0
+                self._status("running", loss=loss_sum, eval_loss=eval_loss)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != total:
                 eval_loss = evaluate(self.model, self.val, self.device)
                 self.metrics({"worker": self.worker, "step": step, "eval_loss": eval_loss})
@@ -351,6 +373,8 @@ class WorkerLoop:
         eval_loss = evaluate(self.model, self.val, self.device)
         self.metrics({"worker": self.worker, "step": self.step, "eval_loss": eval_loss,
                       "final": True})
+        self._status("finished", force=True, loss=losses[-1] if losses else None,
+                     eval_loss=eval_loss)
         traffic = self.store.traffic
         return WorkerResult(
             worker=self.worker,
@@ -364,6 +388,16 @@ class WorkerLoop:
             bytes_down=traffic.bytes_down,
             resumed_from=self.resumed_from,
             losses=losses,
+        )
+
+    def _status(self, state: str, force: bool = False, **fields: Any) -> None:
+        if self.status is None:
+            return
+        t = self.store.traffic
+        self.status.update(
+            state, force=force, step=self.step, total_steps=self.cfg.train.steps,
+            tokens=self.tokens, bytes_up=t.bytes_up, bytes_down=t.bytes_down,
+            wait_s=self.sync.stats.wait_seconds if self.sync else 0.0, **fields,
         )
 
     def _report(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:

@@ -1,0 +1,52 @@
+"""What the jobs report beyond the store: the seam between orchestration and tracking.
+
+The worker, aggregator and train jobs call these methods; the default does nothing,
+and ``flows/tracking.py`` implements them with MLflow. A hook must never stop or
+slow training: implementations buffer, retry in the background, and swallow (and
+count) their own failures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Hooks:
+    """No-op hooks; subclass and override what you need."""
+
+    def run_started(self, config: dict[str, Any], run_url: str, *, resumed: bool) -> None:
+        """The train job created (or continued) the run. ``config`` is the resolved
+        RunConfig as a dict."""
+
+    def worker_started(self, worker: str, info: dict[str, Any]) -> None:
+        """A worker job started (``info``: host, island size, resumed_from...)."""
+
+    def worker_metrics(self, worker: str, metrics: dict[str, Any]) -> None:
+        """A worker's metrics (the WorkerLoop metrics callback: step, loss, lr,
+        tokens_per_s, wait_s, bytes_up, bytes_down, staleness; or step, eval_loss)."""
+
+    def worker_finished(self, worker: str, result: dict[str, Any], state: str) -> None:
+        """A worker ended: ``state`` is finished, interrupted, failed or cancelled."""
+
+    def aggregator_round(self, report: dict[str, Any]) -> None:
+        """The aggregator applied a round: fragment, round, weights, rejected,
+        seconds, grad_norm, and when evaluated, eval_loss and perplexity of the
+        canonical model, plus bytes_up / bytes_down of the aggregator."""
+
+    def run_finished(self, summary: dict[str, Any]) -> None:
+        """The train job ended; ``summary`` is its final report."""
+
+    def close(self) -> None:
+        """Flush whatever is buffered (bounded in time)."""
+
+
+def make_hooks(run_url: str, *, role: str, storage_options: dict | None = None) -> Hooks:
+    """The hooks a job of ``role`` ("train", "worker:<name>", "aggregator") uses.
+
+    Returns MLflow tracking when it is enabled for the run, else no-op hooks.
+    """
+    try:
+        from flows.tracking import hooks_for  # noqa: PLC0415
+    except ImportError:
+        return Hooks()
+    return hooks_for(run_url, role=role, storage_options=storage_options)
