@@ -669,3 +669,22 @@ def test_publish_survives_transient_write_faults(run, monkeypatch):
     assert snap["by_op"]["put"] == 4  # 2 failed attempts + 2 that landed
     value, _ = run["agg"].fetch_delta(0, 0, "w0")
     np.testing.assert_array_equal(bits(value), bits(pub.decoded))
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8", "int4", "fp4-e3m0"])
+@pytest.mark.parametrize("n", [1, 127, 128, 1000, 4099])
+def test_fast_encoding_is_byte_identical_to_zarr(codec, n):
+    """encode_array builds one-chunk coded vectors without zarr's write path; the
+    objects must be exactly what zarr writes, so any zarr reader decodes them."""
+    from storage.arrays import encode_array, encode_array_with_zarr  # noqa: PLC0415
+    from storage.codecs import CodecSpec  # noqa: PLC0415
+
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    spec = CodecSpec(codec, 128)
+    blobs, _record, decoded = encode_array("p", x, spec)
+    assert blobs == encode_array_with_zarr("p", x, spec)
+    reference = encode_array_with_zarr("q", x, spec)
+    assert set(reference) == {"q/zarr.json", "q/c/0"}
+    from storage.codecs import roundtrip  # noqa: PLC0415
+
+    assert np.array_equal(decoded, roundtrip(x, spec)[1])
