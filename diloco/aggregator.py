@@ -232,9 +232,7 @@ class Aggregator:
                 return False
             acc, weights, rejected = self._reduce(p, r, workers)
             self.stats.rejected += len(rejected)
-            x = acc if self.residual[p] is None else acc + self.residual[p]
-            if not self.feedback:
-                x = acc
+            x = self._with_residual(p, acc)
             published = self.exchange.publish_mean(
                 p, r, self.name, x.numpy(), weights=weights,
                 extra={"rejected": rejected, "participants": sorted(weights)},
@@ -274,8 +272,13 @@ class Aggregator:
         if not self.feedback:
             return mean, mean
         acc, _, _ = self._reduce(p, r, sorted(commit["weights"]), weights=commit["weights"])
-        x = acc if self.residual[p] is None else acc + self.residual[p]
-        return mean, x
+        return mean, self._with_residual(p, acc)
+
+    def _with_residual(self, p: int, acc: torch.Tensor) -> torch.Tensor:
+        """The value to publish: the mean plus the error-feedback residual (if on)."""
+        if not self.feedback or self.residual[p] is None:
+            return acc
+        return acc + self.residual[p]
 
     def _checkpoint(self, p: int, r: int, weights: dict[str, float]) -> None:
         arrays = {"params": self.outer[p].params.numpy()}

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from diloco.replica import Synchronizer
-from diloco.run import open_exchange, plan_for
+from diloco.run import load_initial, open_exchange, plan_for
 from diloco.schedule import Schedule
 from storage.objectstore import ObjectStore
 from workers import checkpoint
@@ -243,8 +243,6 @@ class WorkerLoop:
                                      initialise=saved is None)
         elif self._uses_sync() or self.cfg.train.strategy == "data_parallel":
             # followers and the baseline start from the run's initial parameters too
-            from diloco.run import load_initial  # noqa: PLC0415
-
             for p, v in enumerate(load_initial(self.exchange, len(self.plan))):
                 self.plan.scatter(self.model, p, v)
         if saved is None:
