@@ -215,3 +215,61 @@ def test_unreachable_store_fails_with_its_url():
               "--storage-option", "key=x", "--storage-option", "secret=y", timeout=180)
     assert out.returncode == 2
     assert "s3://diloco-test/run/run.json" in out.stderr
+
+
+def test_sigterm_checkpoints_and_the_worker_resumes(tmp_path, dataset):
+    """The way a scheduler stops a job: SIGTERM to `python -m workers`. The worker
+    saves a checkpoint and exits with 143; started again it resumes there and ends
+    with exactly the parameters of an uninterrupted run."""
+    import signal  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from storage.objectstore import ObjectStore  # noqa: PLC0415
+    from workers import checkpoint  # noqa: PLC0415
+
+    data_url = str(tmp_path / "data")
+    prepare_data(["builtin:shakespeare"], data_url, max_bytes=100_000)
+    steps = "train.steps=60"
+    cfg = load_config("tiny", [*MICRO, f"data.dataset={data_url}", "workers=[solo]", steps])
+
+    def run_to_end(url, interrupt: bool):
+        create_run(cfg, url)
+        agg = Aggregator(open_exchange(url))
+        stop = threading.Event()
+        t = threading.Thread(target=agg.run, args=(stop, 300))
+        t.start()
+        cmd = [sys.executable, "-m", "workers", "--run", url, "--worker", "solo"]
+        try:
+            if interrupt:
+                proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE)
+                # wait until it has trained a few steps, then stop it like a scheduler
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    status = (Path(url) / "members" / "solo" / "status.json")
+                    if status.exists() and json.loads(status.read_text())["step"] >= 12:
+                        break
+                    time.sleep(0.2)
+                proc.send_signal(signal.SIGTERM)
+                out, err = proc.communicate(timeout=120)
+                assert proc.returncode == 143, err[-2000:]
+                assert "interrupted_after" in out
+                stopped = json.loads(out.strip().splitlines()[-1])["interrupted_after"]
+                assert checkpoint.latest_step(ObjectStore(url), "solo") == stopped
+            done = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=300)
+            assert done.returncode == 0, done.stderr[-2000:]
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+        finally:
+            t.join(120)
+            stop.set()
+        return result, agg
+
+    plain, agg_plain = run_to_end(str(tmp_path / "plain"), interrupt=False)
+    resumed, agg_resumed = run_to_end(str(tmp_path / "resumed"), interrupt=True)
+    assert resumed["resumed_from"] is not None and plain["resumed_from"] is None
+    assert resumed["steps"] == plain["steps"] == 60
+    assert resumed["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6)
+    for p in range(len(agg_plain.outer)):
+        assert torch.equal(agg_plain.canonical(p), agg_resumed.canonical(p))

@@ -39,7 +39,7 @@ from storage.objectstore import ObjectStore
 from workers import checkpoint
 from workers.config import RunConfig
 from workers.data import WorkerStream, open_dataset, val_batches
-from workers.model import Transformer, build_model
+from workers.model import Transformer, build_model, describe
 from workers.status import StatusBoard
 
 log = logging.getLogger(__name__)
@@ -204,6 +204,12 @@ class WorkerLoop:
         self.model = build_model(mcfg, seed=self.cfg.train.seed).to(self.device)
         self.plan = plan_for(self.model, self.cfg.sync)
         self.plan.check_against([f.model_dump() for f in manifest.fragments])
+        if self.group.leader:
+            log.info("worker %s: model %s", worker, describe(self.model))
+            for frag in self.plan.fragments:
+                log.info("worker %s: fragment %d: %d parameters in %d tensors (%s ...)",
+                         worker, frag.index, frag.numel, len(frag.params),
+                         ", ".join(frag.names[:3]))
 
         b, size = self.cfg.data.batch_size, self.group.size
         dp = self.cfg.train.strategy == "data_parallel"
