@@ -6,7 +6,7 @@ setup:
 	scripts/setup
 
 run: setup
-	.venv/bin/python examples/two_replicas.py
+	.venv/bin/diloco run
 
 test: setup
 	.venv/bin/ruff check .

@@ -123,6 +123,10 @@ class RunConfig(_Strict):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
+    parent_run: str | None = Field(
+        default=None,
+        description="the run whose canonical model this run starts from (a continuation)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:

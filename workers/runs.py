@@ -16,7 +16,7 @@ from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
 from workers.config import RunConfig
 from workers.data import DatasetMissing, open_dataset, prepare_data
-from workers.model import build_model, describe
+from workers.model import Transformer, build_model, describe
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,16 @@ def create_run(
     *,
     storage_options: dict | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    model: Transformer | None = None,
 ) -> Exchange:
-    """Create the run at ``run_url`` (RunExists if one is there already)."""
+    """Create the run at ``run_url`` (RunExists if one is there already).
+
+    The initial parameters are those of ``model`` when given (a continuation starts
+    from another run's canonical model), else of a fresh model from ``train.seed``.
+    """
     ensure_dataset(cfg, run_url, storage_options=storage_options, progress=progress)
-    model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)
+    if model is None:
+        model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)
     plan = plan_for(model, cfg.sync)
     log.info("model: %s", describe(model))
     for frag in plan.fragments:

@@ -1,0 +1,289 @@
+"""Quality at equal tokens: data-parallel against DiLoCo's modes, side by side.
+
+    .venv/bin/python -m benchmarks.bench_quality [--steps 600] [--workers 2,4] \\
+        [--modes diloco,streaming,eager,pure-eager] [--codecs fp32,int4] [--sweep grid]
+
+Every contender trains the same model (the reference recipe of benchmarks/harness.py:
+885,888 parameters, byte-level Shakespeare, 16 x 64 tokens per worker per step),
+from the same seed and initial parameters, for the same number of inner steps per
+worker, so at equal M every contender sees the same tokens. Data-parallel runs
+``train.strategy=data_parallel`` (gradients all-reduced every step, one process per
+rank, gloo on loopback); the DiLoCo modes run their workers as threads of this
+process with the aggregator in another thread, through a file:// store.
+
+The score is the eval loss (nats per byte) of the model the run produces, on the
+same 32 validation batches: data-parallel's final model, and for DiLoCo the
+aggregator's canonical model after every round (for eager modes this is not any
+single worker's replica). The gap is ``loss / loss(data-parallel) - 1``.
+
+Outer learning rate and momentum are tuned per mode with a small grid (``--sweep
+grid``) at M = 2 with float32 outer gradients, as the papers did; the best point of
+each mode is then used for its int4 run and for M = 4. The sweep picks on the same
+validation batches it reports (there is no third split), so the tuned gaps are
+slightly optimistic; the whole sweep is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks import harness as h
+
+# (outer lr, outer momentum) per mode. The defaults of diloco/config.py are in it.
+SWEEP: dict[str, list[tuple[float, float]]] = {
+    "diloco": [(0.4, 0.9), (0.7, 0.9), (1.0, 0.0)],
+    "streaming": [(0.4, 0.9), (0.7, 0.9), (1.0, 0.0)],
+    "eager": [(0.7, 0.5), (0.7, 0.0), (1.0, 0.0)],
+    "pure-eager": [(0.7, 0.5), (0.7, 0.0), (1.0, 0.0)],
+}
+# ALGORITHMS.md section 7: the reference's gaps to data-parallel (M=2, 600 steps).
+REFERENCE_GAPS = {
+    "diloco": "+4.0% (H=50)",
+    "streaming": "+3.7% (float32), +3.7% (int4/int8)",
+    "eager": "+5.5% (half the means late)",
+    "pure-eager": "+16% (mu 0.9), +7% (mu 0, lr 1.0)",
+}
+log = logging.getLogger("benchmarks.quality")
+
+
+def traffic_per_step(outcome: h.Outcome) -> float | None:
+    """Exchange bytes (up + down) per worker per inner step, from the store clients."""
+    rows = [w["traffic"]["exchange"] for w in outcome.workers.values() if "traffic" in w]
+    if not rows:
+        return None
+    steps = outcome.workers[next(iter(outcome.workers))]["steps"]
+    return sum(r["bytes_up"] + r["bytes_down"] for r in rows) / len(rows) / steps
+
+
+def dp_bytes_per_step(num_parameters: int, workers: int) -> float:
+    """fp32 ring all-reduce, ALGORITHMS.md section 6: 2 (M-1)/M x 4 bytes a parameter,
+    each way, per worker per step (up + down)."""
+    return 2 * (2 * (workers - 1) / workers * 4 * num_parameters)
+
+
+def row(outcome: h.Outcome, dp_loss: float | None) -> dict[str, Any]:
+    c = outcome.contender
+    late = [w.get("sync", {}).get("late_means", 0) for w in outcome.workers.values()]
+    merged = [w.get("sync", {}).get("rounds_merged", 0) for w in outcome.workers.values()]
+    per_step = traffic_per_step(outcome)
+    if c.mode == "data-parallel":
+        per_step = dp_bytes_per_step(outcome.num_parameters, c.workers)
+    return {
+        **outcome.to_dict(),
+        "gap": None if dp_loss is None else outcome.eval_loss / dp_loss - 1,
+        "bytes_per_step": per_step,
+        "late_means": sum(late), "merges": sum(merged),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    data = h.ensure_dataset(args.data)
+    base = h.reference_overrides(args.steps, data)
+    modes = [m for m in args.modes.split(",") if m]
+    codecs = [c for c in args.codecs.split(",") if c]
+    workers = [int(m) for m in args.workers.split(",") if m]
+    sweep_rows: list[dict[str, Any]] = []
+    best: dict[str, tuple[float | None, float | None]] = {m: (None, None) for m in modes}
+    done: dict[h.Contender, h.Outcome] = {}
+
+    cache = h.Cache(args.cache_dir if args.resume else None, base)
+
+    def contender_run(c: h.Contender) -> h.Outcome:
+        if c not in done:
+            cached = cache.get(c)
+            if cached is not None:
+                log.info("%s: from the cache (eval loss %.4f)", c.name, cached.eval_loss)
+                done[c] = cached
+                return cached
+            log.info("running %s", c.name)
+            done[c] = h.run_contender(c, base, wd, mlflow=args.mlflow)
+            cache.put(done[c])
+            log.info("%s: eval loss %.4f in %.0f s", c.name, done[c].eval_loss,
+                     done[c].seconds)
+        return done[c]
+
+    with h.Workdir("quality", keep=args.keep) as wd:
+        sweep_m = workers[0]
+        dp_sweep = contender_run(h.Contender("data-parallel", workers=sweep_m))
+        if args.sweep == "grid":
+            for mode in modes:
+                points = []
+                for lr, mu in SWEEP[mode]:
+                    c = h.Contender(mode, args.sweep_codec, sweep_m, args.sync_every,
+                                    outer_lr=lr, outer_momentum=mu)
+                    out = contender_run(c)
+                    points.append((out.eval_loss, lr, mu))
+                    sweep_rows.append(row(out, dp_sweep.eval_loss))
+                finite = [p for p in points if math.isfinite(p[0])]
+                if finite:
+                    _, lr, mu = min(finite)
+                    best[mode] = (lr, mu)
+        rows: list[dict[str, Any]] = []
+        for m in workers:
+            dp = contender_run(h.Contender("data-parallel", workers=m))
+            rows.append(row(dp, dp.eval_loss))
+            for mode in modes:
+                for codec in codecs:
+                    lr, mu = best[mode]
+                    c = h.Contender(mode, codec, m, args.sync_every,
+                                    outer_lr=lr, outer_momentum=mu)
+                    rows.append(row(contender_run(c), dp.eval_loss))
+    return {"rows": rows, "sweep": sweep_rows,
+            "best_outer": {m: {"outer_lr": v[0], "outer_momentum": v[1]}
+                           for m, v in best.items()}}
+
+
+def _outer(r: dict[str, Any]) -> str:
+    if r["mode"] == "data-parallel":
+        return ""
+    from diloco.config import OUTER_DEFAULTS  # noqa: PLC0415
+
+    mode = "eager" if r["mode"] == "pure-eager" else r["mode"]
+    lr = r["outer_lr"] if r["outer_lr"] is not None else OUTER_DEFAULTS[mode][0]
+    mu = r["outer_momentum"] if r["outer_momentum"] is not None else OUTER_DEFAULTS[mode][1]
+    return f"{lr:g} / {mu:g}"
+
+
+def _gap(g: float | None) -> str:
+    return "" if g is None or not math.isfinite(g) else f"{g * 100:+.1f}%"
+
+
+def _bytes(b: float | None) -> str:
+    if b is None:
+        return ""
+    return f"{b / 1e6:.3f} MB" if b >= 1e5 else f"{b / 1e3:.2f} kB"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    res, env = report["results"], report["environment"]
+    p = report["settings"]
+    lines = [
+        f"Quality at equal tokens ({env['date'][:10]}; `{env['command']}`)",
+        "",
+        f"{p['num_parameters']:,} parameters, byte-level Shakespeare, {p['steps']} inner "
+        f"steps x {p['tokens_per_step']} tokens per worker, seed 0, H = {p['sync_every']}, "
+        "P = 2 for streaming and eager. Eval loss in nats per byte of the final model "
+        "(DiLoCo: the aggregator's canonical model).",
+        "",
+    ]
+    head = ["contender", "codec", "M", "outer lr / mu", "eval loss", "vs data-parallel",
+            "traffic / worker / step", "late means", "wall s"]
+    table = []
+    for r in res["rows"]:
+        table.append([
+            h.MODE_LABELS[r["mode"]], "" if r["mode"] == "data-parallel"
+            else h.CODEC_LABELS[r["codec"]], r["workers"], _outer(r), f"{r['eval_loss']:.4f}",
+            _gap(r["gap"]), _bytes(r["bytes_per_step"]),
+            "" if r["mode"] == "data-parallel" else f"{r['late_means']}/{r['merges']}",
+            f"{r['seconds']:.0f}"])
+    lines += [h.md_table(head, table), ""]
+    lines.append("Data-parallel traffic is the fp32 ring all-reduce arithmetic "
+                 "(ALGORITHMS.md section 6); DiLoCo's is the exchange's object bodies "
+                 "counted by each worker's store client, up + down. Late means: merges "
+                 "at which an eager worker did not yet have that round's mean.")
+    if res["sweep"]:
+        lines += ["", f"Outer optimizer sweep (M = {res['sweep'][0]['workers']}, "
+                  f"{h.CODEC_LABELS[res['sweep'][0]['codec']]}):", ""]
+        table = [[h.MODE_LABELS[r["mode"]], _outer(r), f"{r['eval_loss']:.4f}",
+                  _gap(r["gap"])] for r in res["sweep"]]
+        lines.append(h.md_table(["mode", "outer lr / mu", "eval loss", "vs data-parallel"],
+                                table))
+    targets = report.get("targets")
+    if targets:
+        lines += ["", "Targets (M = 2, equal budget):", ""]
+        lines.append(h.md_table(["target", "measured", "met"],
+                                [[t["target"], t["measured"], t["met"]] for t in targets]))
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets at M = 2: streaming with int4 within the reference's
+    +3.7%; the best mode hiding a whole round (eager) within 5%."""
+    m2 = [r for r in rows if r["workers"] == 2 and r["gap"] is not None]
+    out = []
+    s = [r for r in m2 if r["mode"] == "streaming" and r["codec"] == "int4"]
+    if s:
+        out.append({"target": "streaming int4/int8 gap <= +3.7% (reference)",
+                    "measured": _gap(s[0]["gap"]), "met": "yes" if s[0]["gap"] <= 0.037
+                    else "no"})
+    e = [r for r in m2 if r["mode"] in ("eager", "pure-eager")]
+    if e:
+        b = min(e, key=lambda r: r["gap"])
+        out.append({"target": "best whole-round-hiding mode gap <= +5%",
+                    "measured": f"{_gap(b['gap'])} ({h.MODE_LABELS[b['mode']]}, "
+                                f"{h.CODEC_LABELS[b['codec']]})",
+                    "met": "yes" if b["gap"] <= 0.05 else "no"})
+    return out
+
+
+def tokens_per_step() -> int:
+    """Tokens one worker processes per inner step in the reference recipe."""
+    cfg = h.load(h.Contender("diloco"), h.reference_overrides())
+    return cfg.data.batch_size * cfg.data.seq_len * cfg.optim.grad_accum
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="benchmarks.bench_quality",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=600, help="inner steps per worker")
+    p.add_argument("--sync-every", type=int, default=50, help="H for every DiLoCo mode")
+    p.add_argument("--workers", default="2,4", help="values of M (the first is swept)")
+    p.add_argument("--modes", default=",".join(h.MODES))
+    p.add_argument("--codecs", default="fp32,int4")
+    p.add_argument("--sweep", choices=["grid", "none"], default="grid",
+                   help="grid: tune outer lr/momentum per mode; none: the modes' defaults")
+    p.add_argument("--sweep-codec", default="fp32")
+    p.add_argument("--data", type=Path, default=None, help="where the dataset is cached")
+    p.add_argument("--results-dir", type=Path, default=h.RESULTS)
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="only render the Markdown of a saved result")
+    p.add_argument("--out", default="quality", help="results/<out>.json and .md")
+    p.add_argument("--no-mlflow", dest="mlflow", action="store_false")
+    p.add_argument("--keep", action="store_true", help="keep the runs' stores")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse contenders finished by an earlier, interrupted invocation")
+    p.add_argument("--cache-dir", type=Path, default=h.default_data_dir() / "cache-quality")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parser().parse_args(argv)
+    if args.from_json:
+        report = json.loads(args.from_json.read_text())
+        md = markdown(report) + f"\n\nWall time of the whole benchmark: " \
+            f"{report['wall_seconds']:.0f} s.\n"
+        h.write_report(args.out, report, md, args.results_dir)
+        print(md)
+        return report
+    env = h.environment(argv, "benchmarks.bench_quality")
+    h.stop_on_sigterm()
+    results, seconds = h.timed(lambda: run(args))
+    rows = results["rows"]
+    num = rows[0]["num_parameters"] if rows else 0
+    report = {
+        "environment": env, "wall_seconds": seconds,
+        "settings": {"steps": args.steps, "sync_every": args.sync_every,
+                     "num_parameters": num, "tokens_per_step": tokens_per_step(),
+                     "reference_gaps": REFERENCE_GAPS, "sweep_grid": SWEEP},
+        "results": results, "targets": targets(rows),
+    }
+    md = markdown(report) + f"\n\nWall time of the whole benchmark: {seconds:.0f} s.\n"
+    js, mdp = h.write_report(args.out, report, md, args.results_dir)
+    print(md)
+    print(f"wrote {js} and {mdp}")
+    return report
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("workers", "diloco", "storage", "mlflow", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    main()
+    sys.exit(0)

@@ -1,0 +1,327 @@
+"""Traffic: bytes each worker sends and receives per inner step, against data-parallel.
+
+    .venv/bin/python -m benchmarks.bench_traffic [--sync-every 100] [--fragments 1,2,4] \\
+        [--steps 300] [--dp-netns auto]
+
+DiLoCo contenders (M = 2, the quality recipe's model) train through a real S3
+server (moto on loopback). Each worker reaches it through its own counting TCP
+proxy, so three counts are taken per worker:
+
+- object bodies, from the worker's store client (storage/traffic.py), split into the
+  exchange (``frag/...``, per fragment round) and the rest (the run manifest and the
+  initial parameters at start-up, the status object every second or so);
+- bytes on the wire at the HTTP level (request and response lines, headers,
+  bodies, and any request s3fs makes that the counter does not see), from the
+  proxy; TCP/IP headers are not in it;
+- from the two, the HTTP overhead per counted request, which turns the exchange's
+  per-round bodies and requests into its on-the-wire bytes (an estimate: every
+  request is charged the run's mean overhead).
+
+"Per inner step" is steady state: the bytes of the scheduled rounds (the extra final
+round a run of T steps may end with is left out) divided by the H steps between two
+rounds of a fragment, summed over fragments. The whole run's numbers are beside it.
+Data-parallel is the fp32 ring all-reduce of ALGORITHMS.md section 6 for the same
+parameter count, and, when this runs as root (``--dp-netns``), also measured: two
+data-parallel ranks in their own network namespaces, Ethernet bytes on their veths
+(gloo's all-reduce plus the status object) over ``--dp-steps`` steps.
+
+The peak payload per sync is the largest delta a worker uploads in one fragment
+round (zarr array and its metadata, plus the commit record in the round's bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks import harness as h
+
+log = logging.getLogger("benchmarks.traffic")
+
+
+class CountingProxy:
+    """A TCP proxy on loopback that counts the bytes each way (HTTP level)."""
+
+    def __init__(self, upstream: str, host: str = "127.0.0.1"):
+        hostport = upstream.split("://", 1)[-1].rstrip("/")
+        up_host, up_port = hostport.rsplit(":", 1)
+        self.upstream = (up_host, int(up_port))
+        self.listener = socket.create_server((host, 0))
+        self.endpoint_url = f"http://{host}:{self.listener.getsockname()[1]}"
+        self.up = self.down = self.connections = 0
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name="proxy").start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            with self._lock:
+                self.connections += 1
+                self._socks += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, "up"), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, "down"),
+                             daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, way: str) -> None:
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                dst.sendall(data)
+                with self._lock:
+                    setattr(self, way, getattr(self, way) + len(data))
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"up": self.up, "down": self.down, "connections": self.connections}
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+        with self._lock:
+            for s in self._socks:
+                s.close()
+
+
+def dp_arithmetic(num_parameters: int, workers: int) -> dict[str, float]:
+    """fp32 ring all-reduce: 2 (M-1)/M x 32 bits per parameter each way per step."""
+    each_way = 2 * (workers - 1) / workers * 4 * num_parameters
+    return {"up": each_way, "down": each_way}
+
+
+def steady_state(worker: dict[str, Any], rounds: list[int], sync_every: int,
+                 final: list[bool]) -> dict[str, float]:
+    """Bytes per inner step of one worker over the scheduled rounds (final left out)."""
+    per_round = worker["traffic"]["per_round"]
+    total = {"bytes_up": 0.0, "bytes_down": 0.0, "requests": 0.0}
+    for p, n in enumerate(rounds):
+        keys = [f"{p}/r{r:06d}" for r in range(n - int(final[p]))]
+        rows = [per_round[k] for k in keys if k in per_round]
+        if not rows:
+            continue
+        for k in total:
+            total[k] += sum(r[k] for r in rows) / len(rows) / sync_every
+    return total
+
+
+def measure_contender(c: h.Contender, base: list[str], server: h.MotoServer,
+                      workdir: Path, mlflow: bool) -> dict[str, Any]:
+    from diloco.schedule import Schedule  # noqa: PLC0415
+
+    cfg = h.load(c, base)
+    proxies = {w: CountingProxy(server.endpoint_url) for w in cfg.workers}
+    try:
+        out = h.run_contender(
+            c, base, workdir, mlflow=mlflow, storage_url=f"s3://{server.new_bucket()}",
+            storage_options=server.options(),
+            worker_options={w: server.options(p.endpoint_url) for w, p in proxies.items()})
+    finally:
+        wire = {w: p.counts() for w, p in proxies.items()}
+        for p in proxies.values():
+            p.close()
+    sched = Schedule(cfg.sync.sync_every, cfg.sync.fragments, cfg.sync.send_offset)
+    final = [sched.has_final_round(p, cfg.train.steps, cfg.sync.merge_alpha)
+             for p in range(cfg.sync.fragments)]
+    steps = cfg.train.steps
+    workers = {}
+    for w, res in out.workers.items():
+        t = res["traffic"]
+        status = res["status_traffic"]
+        bodies = t["total"]["bytes_up"] + t["total"]["bytes_down"] + status["bytes_up"] \
+            + status["bytes_down"]
+        requests = t["total"]["requests"] + status["requests"]
+        wire_total = wire[w]["up"] + wire[w]["down"]
+        overhead = (wire_total - bodies) / max(1, requests)
+        steady = steady_state(res, out.rounds, cfg.sync.sync_every, final)
+        peak_up = max(t["delta_payload_bytes"].values(), default=0)
+        peak_down = max(t["mean_payload_bytes"].values(), default=0)
+        workers[w] = {
+            "steady_bodies_per_step": steady,
+            "steady_wire_per_step_estimate": steady["bytes_up"] + steady["bytes_down"]
+            + steady["requests"] * overhead,
+            "run_exchange_bodies_per_step": (t["exchange"]["bytes_up"]
+                                             + t["exchange"]["bytes_down"]) / steps,
+            "run_all_bodies_per_step": bodies / steps,
+            "run_wire_per_step": wire_total / steps,
+            "wire": wire[w], "http_overhead_per_request": overhead,
+            "requests": requests, "status": status,
+            "peak_delta_payload": peak_up, "peak_mean_payload": peak_down,
+            "traffic": t,
+        }
+    return {"contender": c.name, "mode": c.mode, "codec": c.codec,
+            "sync_every": cfg.sync.sync_every, "fragments": cfg.sync.fragments,
+            "steps": steps, "rounds": out.rounds, "final_round": final,
+            "eval_loss": out.eval_loss, "seconds": out.seconds,
+            "num_parameters": out.num_parameters, "workers": workers}
+
+
+def measure_dp_netns(base: list[str], steps: int, workers: int) -> dict[str, Any] | None:
+    """Two data-parallel ranks in namespaces, uncapped: Ethernet bytes per step."""
+    from benchmarks import bench_bandwidth, netns  # noqa: PLC0415
+
+    if netns.available():
+        return None
+    with netns.Topology(workers) as topo, h.MotoServer(topo.host_addr) as server, \
+            h.Workdir("traffic-dp") as logs:
+        bench = bench_bandwidth.Bench(topo, server, logs, base)
+        r = bench.rung(h.Contender("data-parallel", workers=workers), None, steps)
+    return {"steps": steps, "wire_bytes_per_step": r["wire_bytes_per_step"],
+            "utilisation": r["utilisation"]}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    data = h.ensure_dataset(args.data)
+    base = h.reference_overrides(args.steps, data)
+    list_ = [h.Contender(args.mode, "int4", 2, args.sync_every,
+                         fragments=int(p)) for p in args.fragments.split(",") if p]
+    if args.fp32:
+        list_.append(h.Contender(args.mode, "fp32", 2, args.sync_every,
+                                 fragments=int(args.fragments.split(",")[0])))
+    rows = []
+    with h.MotoServer() as server, h.Workdir("traffic") as wd:
+        for c in list_:
+            log.info("running %s", c.name)
+            rows.append(measure_contender(c, base, server, wd, args.mlflow))
+    n = rows[0]["num_parameters"]
+    dp = dp_arithmetic(n, 2)
+    dp_measured = None
+    if args.dp_netns != "off":
+        try:
+            dp_measured = measure_dp_netns(base, args.dp_steps, 2)
+        except Exception as exc:  # noqa: BLE001 - reported, the rest stands
+            log.warning("data-parallel in namespaces failed: %s", exc)
+        if dp_measured is None and args.dp_netns == "on":
+            raise SystemExit("--dp-netns on: namespaces are not available here")
+    return {"rows": rows, "dp_arithmetic_per_step": dp, "dp_measured": dp_measured}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    res, env = report["results"], report["environment"]
+    dp = res["dp_arithmetic_per_step"]
+    dp_total = dp["up"] + dp["down"]
+    dpm = res["dp_measured"]
+    n = res["rows"][0]["num_parameters"] if res["rows"] else 0
+    lines = [f"Traffic per worker per inner step ({env['date'][:10]}; `{env['command']}`)", "",
+             f"M = 2, {n:,} parameters. Data-parallel, fp32 ring all-reduce "
+             f"(arithmetic): {dp['up'] / 1e6:.3f} MB up + {dp['down'] / 1e6:.3f} MB down per "
+             "step."]
+    if dpm:
+        w = dpm["wire_bytes_per_step"]
+        lines.append(f"Data-parallel measured on the wire (Ethernet frames on each rank's "
+                     f"veth, {dpm['steps']} steps, gloo plus the status object): "
+                     f"{w['up'] / 1e6:.3f} MB up + {w['down'] / 1e6:.3f} MB down per step.")
+    lines += ["", "Steady state (scheduled rounds, per step, up + down, mean of the two "
+              "workers); \"less than DP\" divides data-parallel's arithmetic by it:", ""]
+    head = ["contender", "exchange bodies / step", "less than DP", "with HTTP overhead",
+            "less than DP", "peak delta / sync", "peak cut", "peak mean / sync"]
+    table = []
+    p1 = [r for r in res["rows"] if r["fragments"] == 1 and r["codec"] == "int4"]
+    p1_peak = max((w["peak_delta_payload"] for w in p1[0]["workers"].values()), default=0) \
+        if p1 else 0
+    for r in res["rows"]:
+        ws = list(r["workers"].values())
+        body = sum(w["steady_bodies_per_step"]["bytes_up"]
+                   + w["steady_bodies_per_step"]["bytes_down"] for w in ws) / len(ws)
+        wire = sum(w["steady_wire_per_step_estimate"] for w in ws) / len(ws)
+        peak = max(w["peak_delta_payload"] for w in ws)
+        table.append([
+            f"{h.MODE_LABELS[r['mode']]}, {h.CODEC_LABELS[r['codec']]}, H={r['sync_every']}, "
+            f"P={r['fragments']}",
+            f"{body / 1e3:.2f} kB", f"{dp_total / body:.0f}x", f"{wire / 1e3:.2f} kB",
+            f"{dp_total / wire:.0f}x", f"{peak:,} B",
+            f"{p1_peak / peak:.2f}x" if p1_peak else "",
+            f"{max(w['peak_mean_payload'] for w in ws):,} B"])
+    lines.append(h.md_table(head, table))
+    lines += ["", "Whole run (all rounds, the final one included, per step, mean of the "
+              "two workers):", ""]
+    head = ["contender", "steps", "rounds / fragment", "exchange bodies", "all bodies",
+            "HTTP wire", "requests", "HTTP overhead / request"]
+    table = []
+    for r in res["rows"]:
+        ws = list(r["workers"].values())
+
+        def mean(key: str, ws: list = ws) -> float:
+            return sum(w[key] for w in ws) / len(ws)
+
+        table.append([
+            f"{h.MODE_LABELS[r['mode']]}, {h.CODEC_LABELS[r['codec']]}, P={r['fragments']}",
+            r["steps"], "/".join(str(x) for x in r["rounds"]),
+            f"{mean('run_exchange_bodies_per_step') / 1e3:.1f} kB",
+            f"{mean('run_all_bodies_per_step') / 1e3:.1f} kB",
+            f"{mean('run_wire_per_step') / 1e3:.1f} kB", f"{mean('requests'):.0f}",
+            f"{mean('http_overhead_per_request'):.0f} B"])
+    lines.append(h.md_table(head, table))
+    lines += ["", "All bodies: the exchange plus start-up (manifest, initial parameters) "
+              "and the status object. HTTP wire: the worker's counting proxy; its excess "
+              "over the bodies, divided by the requests the store client counted, is the "
+              "overhead per request used for the steady-state estimate."]
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="benchmarks.bench_traffic",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--sync-every", type=int, default=100, help="H")
+    p.add_argument("--fragments", default="1,2,4", help="values of P (int4 up / int8 down)")
+    p.add_argument("--mode", default="streaming", choices=list(h.MODES))
+    p.add_argument("--fp32", action="store_true", help="also the first P with float32")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--dp-netns", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--dp-steps", type=int, default=20)
+    p.add_argument("--data", type=Path, default=None)
+    p.add_argument("--results-dir", type=Path, default=h.RESULTS)
+    p.add_argument("--out", default="traffic")
+    p.add_argument("--no-mlflow", dest="mlflow", action="store_false")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="only render the Markdown of a saved result")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parser().parse_args(argv)
+    if args.from_json:
+        report = json.loads(args.from_json.read_text())
+        md = markdown(report) + f"\n\nWall time of the whole benchmark: " \
+            f"{report['wall_seconds']:.0f} s.\n"
+        h.write_report(args.out, report, md, args.results_dir)
+        print(md)
+        return report
+    env = h.environment(argv, "benchmarks.bench_traffic")
+    h.stop_on_sigterm()
+    results, seconds = h.timed(lambda: run(args))
+    report = {"environment": env, "wall_seconds": seconds, "settings": vars(args) | {
+        "data": str(args.data)}, "results": results}
+    md = markdown(report) + f"\n\nWall time of the whole benchmark: {seconds:.0f} s.\n"
+    js, mdp = h.write_report(args.out, report, md, args.results_dir)
+    print(md)
+    print(f"wrote {js} and {mdp}")
+    return report
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("workers", "diloco", "storage", "botocore", "s3fs", "mlflow", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    main()
+    sys.exit(0)

@@ -1,0 +1,251 @@
+"""The aggregator job: the core's `diloco.Aggregator` as a restartable service.
+
+    python -m flows.aggregator --run URL
+
+It reduces every round of every fragment, writes ``members/aggregator/status.json``
+(rounds, total_rounds, rejected, the canonical model's eval loss) and evaluates the
+canonical model on the run's validation batches (the workers' own: same seq_len,
+batch_size and eval_batches) each time every fragment has advanced one more round,
+i.e. every P rounds, and at the end. Each round goes to the tracking hooks.
+
+All its state is in the store: killed and started again, it resumes from the last
+canonical checkpoints in ``global/``. On the run's cancel request it keeps reducing
+until the workers have stopped (so their last rounds land) and then stops; on
+SIGTERM it stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+from prefect import flow
+from prefect.states import Cancelled
+
+from diloco.aggregator import Aggregator, RoundReport
+from diloco.run import open_exchange, plan_for
+from flows.control import CancelWatch, ParentWatch, cancel_request
+from flows.hooks import Hooks
+from flows.jobs import (
+    EXIT_CODES,
+    close_hooks,
+    job_hooks,
+    print_result,
+    set_state,
+    stop_on_signals,
+)
+from storage.exchange import Exchange
+from storage.objectstore import ObjectStore
+from workers.status import StatusBoard, read_all, read_status
+
+log = logging.getLogger(__name__)
+
+NAME = "aggregator"
+#: After a cancel request, how long the aggregator waits for the workers to stop.
+DRAIN_S = 120.0
+#: After SIGTERM/SIGINT, the same, within the grace period of those who send them
+#: (Prefect kills a cancelled flow run's process 30 s after SIGTERM). A second
+#: signal stops it at once.
+SIGNAL_DRAIN_S = 20.0
+
+
+class CanonicalEval:
+    """The canonical model on the run's validation batches."""
+
+    def __init__(self, exchange: Exchange, run_url: str, storage_options: dict | None):
+        import torch  # noqa: PLC0415
+
+        from workers.config import RunConfig  # noqa: PLC0415
+        from workers.data import open_dataset, val_batches  # noqa: PLC0415
+        from workers.model import build_model  # noqa: PLC0415
+
+        cfg = RunConfig.model_validate(exchange.manifest.config)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        self.model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)
+        self.plan = plan_for(self.model, cfg.sync)
+        self.plan.check_against([f.model_dump() for f in exchange.manifest.fragments])
+        dataset = open_dataset(cfg.dataset_url(run_url), storage_options)
+        self.val = val_batches(dataset, seq_len=cfg.data.seq_len,
+                               batch_size=cfg.data.batch_size,
+                               num_batches=cfg.train.eval_batches)
+
+    def __call__(self, agg: Aggregator) -> float:
+        import torch  # noqa: PLC0415
+
+        from workers.train import evaluate  # noqa: PLC0415
+
+        for p in range(len(self.plan)):
+            self.plan.scatter(self.model, p, agg.canonical(p))
+        return evaluate(self.model, self.val, torch.device("cpu"))
+
+
+def run_aggregator_job(
+    run_url: str,
+    storage_options: dict | None = None,
+    *,
+    stop: threading.Event | None = None,
+    hooks: Hooks | None = None,
+    evaluate: bool = True,
+    exit_with_parent: bool = False,
+    cancel_poll_s: float = 2.0,
+    drain_s: float = DRAIN_S,
+) -> dict[str, Any]:
+    """Aggregate the run at ``run_url`` until every round is reduced or it is
+    stopped; returns ``{"state", "rounds", "total_rounds", "rejected", "eval_loss"}``."""
+    stop = stop or threading.Event()
+    hooks = hooks or job_hooks(run_url, NAME, storage_options)
+    exchange = open_exchange(ObjectStore(run_url, storage_options=storage_options))
+    status_store = ObjectStore(run_url, storage_options=storage_options, name="aggregator-status")
+    board = StatusBoard(status_store, NAME)
+    manifest = exchange.manifest
+    total = sum(manifest.rounds)
+    cancelled = threading.Event()
+
+    def drain(_request: dict | None, seconds: float = drain_s) -> None:
+        """Keep reducing until the workers stopped (at most ``seconds``), then stop."""
+        if _request is not None:
+            cancelled.set()
+
+        def wait_for_workers() -> None:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and not stop.is_set():
+                states = read_all(status_store, manifest.workers)
+                if all((s or {}).get("state") != "running" for s in states.values()):
+                    break
+                time.sleep(1.0)
+            stop.set()
+
+        threading.Thread(target=wait_for_workers, name="drain", daemon=True).start()
+
+    watchers = [CancelWatch(status_store, drain, interval=cancel_poll_s)]
+    if exit_with_parent:
+        watchers.append(ParentWatch(stop.set))
+    try:
+        evaluator = CanonicalEval(exchange, run_url, storage_options) if evaluate else None
+        agg = Aggregator(exchange)
+    except Exception as exc:
+        set_state(status_store, NAME, "failed", error=f"{type(exc).__name__}: {exc}")
+        close_hooks(hooks)
+        raise
+    board.register(total_rounds=total, resumed_at=sum(agg.next_round))
+    evaluated_at = [-1]  # the level (rounds every fragment has) of the last evaluation
+    last_eval: dict[str, Any] = {}
+    previous = read_status(status_store, NAME) or {}
+    # participation, counted as rounds are applied and kept across restarts
+    counted = {"rounds_by_worker": dict.fromkeys(manifest.workers, 0), "counted_rounds": 0,
+               "participants_total": 0}
+    if previous.get("rounds_by_worker"):
+        counted.update({k: previous[k] for k in counted if k in previous})
+    if "initial_eval_loss" in previous:  # kept across restarts
+        last_eval["initial_eval_loss"] = previous["initial_eval_loss"]
+    elif evaluator is not None and sum(agg.next_round) == 0:
+        last_eval["initial_eval_loss"] = evaluator(agg)  # the baseline the rounds improve on
+
+    def maybe_evaluate(final: bool = False) -> dict[str, Any]:
+        level = min(agg.next_round)
+        if evaluator is None:
+            return {}
+        if final:
+            if last_eval.get("eval_round") == sum(agg.next_round):
+                return {}
+        elif level <= evaluated_at[0] or level == 0:
+            return {}
+        evaluated_at[0] = level
+        loss = evaluator(agg)
+        last_eval.update(eval_loss=loss, perplexity=math.exp(min(loss, 50.0)),
+                         eval_round=sum(agg.next_round))
+        log.info("aggregator: canonical model after %d of %d rounds: eval loss %.4f",
+                 sum(agg.next_round), total, loss)
+        return dict(last_eval)
+
+    def progress(state: str, force: bool = False) -> None:
+        board.update(state, force=force, rounds=sum(agg.next_round), total_rounds=total,
+                     rejected=agg.stats.rejected, **counted, **last_eval)
+
+    def on_round(report: RoundReport) -> None:
+        present = [w for w in report.weights if w in counted["rounds_by_worker"]]
+        for w in present:
+            counted["rounds_by_worker"][w] += 1
+        counted["counted_rounds"] += 1
+        counted["participants_total"] += len(present)
+        evaluated = maybe_evaluate()
+        progress("running", force=True)  # a small write per round: the counts stay exact
+        traffic = exchange.store.traffic
+        hooks.aggregator_round({**asdict(report), **evaluated, "bytes_up": traffic.bytes_up,
+                                "bytes_down": traffic.bytes_down})
+
+    agg.on_round = on_round
+    progress("running", force=True)
+    for w in watchers:
+        w.start()
+    try:
+        # A signal usually comes with the workers' own (a cancelled parent, a pool
+        # shutting down): reduce their last rounds first, so none stays blocked.
+        with stop_on_signals(stop, first=lambda: drain(None, SIGNAL_DRAIN_S)):
+            agg.run(stop)
+            if agg.done:
+                maybe_evaluate(final=True)
+    except Exception as exc:
+        set_state(status_store, NAME, "failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        for w in watchers:
+            w.stop()
+        close_hooks(hooks)
+    if agg.done:
+        state = "finished"
+    elif cancelled.is_set() or cancel_request(status_store) is not None:
+        state = "cancelled"
+    else:
+        state = "interrupted"
+    progress(state, force=True)
+    return {"state": state, "rounds": sum(agg.next_round), "total_rounds": total,
+            "rejected": agg.stats.rejected, **last_eval}
+
+
+@flow(name="aggregator", log_prints=True)
+def aggregator(run_url: str, storage_options: dict | None = None, evaluate: bool = True):
+    """The run's aggregator: reduces every round and steps the canonical model;
+    restartable at any moment (it resumes from the store)."""
+    out = run_aggregator_job(run_url, storage_options, evaluate=evaluate)
+    if out["state"] != "finished":
+        return Cancelled(message=f"aggregator {out['state']} after {out['rounds']} of "
+                                 f"{out['total_rounds']} rounds")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flows.aggregator", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="the run's URL")
+    p.add_argument("--no-eval", action="store_true", help="do not evaluate the canonical model")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop if the launching process dies")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    options = json.loads(os.environ.get("DILOCO_STORAGE_OPTIONS") or "null")
+    try:
+        out = run_aggregator_job(args.run, options, evaluate=not args.no_eval,
+                                 exit_with_parent=args.exit_with_parent)
+    except Exception as exc:  # noqa: BLE001 - one line a user can act on
+        if args.log_level == "DEBUG":
+            raise
+        log.error("aggregator failed: %s: %s", type(exc).__name__, exc)
+        return EXIT_CODES["failed"]
+    print_result(out)
+    return EXIT_CODES[out["state"]]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

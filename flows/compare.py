@@ -1,0 +1,333 @@
+"""``diloco compare``: several tracked runs side by side.
+
+Each spec is an MLflow run id, a run name (the store's run id, which names the
+parent run), or an MLflow filter string (``"params.sync.mode = 'eager'"``,
+``"tags.diloco.strategy = 'data_parallel'"``); filters search every experiment and
+keep parent runs (those the train job created). A row per run:
+
+- final and best eval loss of the model the run produces (the aggregator's
+  canonical model; the workers' mean for data-parallel),
+- tokens processed (all workers), bytes exchanged (all workers, up + down; for
+  data-parallel the ring all-reduce volume, see `flows.plots`),
+- the reduction in bytes against data-parallel: against a data-parallel run among
+  those compared when there is one, else against the all-reduce formula for this
+  run's own model, workers and steps; the ``reduction basis`` column says which,
+- wall time and seconds each worker waited on the exchange.
+
+It prints a table, writes CSV and Markdown, draws overlay plots (PNG), and with
+``--log`` records all of them as artifacts of a comparison run in MLflow.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from flows.plots import RunCurves, fmt_bytes, load_run_curves, plot_overlay
+from flows.tracking import (
+    artifact_location,
+    default_tracking_uri,
+    experiment_name,
+    short_http_retries,
+)
+
+log = logging.getLogger(__name__)
+
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+_FILTER_HINT = re.compile(r"(=|<|>|\sLIKE\s|\sILIKE\s|\sIN\s)", re.IGNORECASE)
+PARENTS = "tags.`diloco.role` = 'train'"
+
+
+class CompareError(ValueError):
+    """A spec that names no run, or a filter MLflow refuses; the message says which."""
+
+
+@dataclass
+class CompareRow:
+    run: str
+    run_id: str
+    strategy: str
+    mode: str
+    workers: int
+    final_eval_loss: float | None
+    best_eval_loss: float | None
+    tokens: float | None
+    bytes_exchanged: float | None
+    bytes_source: str
+    reduction_vs_dp: float | None
+    reduction_basis: str
+    wall_s: float | None
+    wait_s_per_worker: float | None
+
+
+@dataclass
+class CompareResult:
+    rows: list[CompareRow]
+    curves: list[RunCurves] = field(repr=False, default_factory=list)
+    csv_path: Path | None = None
+    md_path: Path | None = None
+    plots: list[Path] = field(default_factory=list)
+    comparison_run_id: str | None = None
+
+
+# -- finding the runs ---------------------------------------------------------------
+
+def _quote(value: str) -> str | None:
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    return None  # not a plausible run name
+
+
+def _parent_of(client: Any, run: Any) -> Any:
+    parent = run.data.tags.get("mlflow.parentRunId")
+    return client.get_run(parent) if parent else run
+
+
+def resolve_runs(client: Any, specs: list[str]) -> list[Any]:
+    """The parent runs named by ``specs``, in order, each once: a spec is tried as a
+    run id, then as a run name, then as a filter string."""
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415
+
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    found: dict[str, Any] = {}
+    for spec in specs:
+        spec = spec.strip()
+        runs: list[Any] = []
+        if _RUN_ID.fullmatch(spec):
+            try:
+                runs = [_parent_of(client, client.get_run(spec))]
+            except MlflowException:
+                runs = []
+        quoted = _quote(spec)
+        if not runs and quoted:
+            named = client.search_runs(
+                experiments, filter_string=f"attributes.run_name = {quoted} and {PARENTS}",
+                order_by=["attributes.start_time DESC"])
+            if len(named) > 1:
+                log.warning("%d runs are named %r; comparing the newest (%s)", len(named),
+                            spec, named[0].info.run_id)
+            runs = named[:1]
+        if not runs:
+            try:
+                runs = client.search_runs(
+                    experiments, filter_string=f"{spec} and {PARENTS}",
+                    order_by=["attributes.start_time ASC"], max_results=1000)
+            except MlflowException as exc:
+                if _FILTER_HINT.search(spec):
+                    raise CompareError(
+                        f"{spec!r} is not a valid MLflow filter: {exc.message}") from None
+        if not runs:
+            raise CompareError(
+                f"{spec!r} names no tracked run: not a run id, not the name of a run, and "
+                "as a filter it matches no parent run")
+        for run in runs:
+            found.setdefault(run.info.run_id, run)
+    return list(found.values())
+
+
+# -- rows ---------------------------------------------------------------------------------
+
+def rows_for(curves: list[RunCurves]) -> list[CompareRow]:
+    """A row per run; reductions against the first data-parallel run if any."""
+    results = [c.results() for c in curves]
+    ref = next(((c, r) for c, r in zip(curves, results, strict=True) if c.data_parallel),
+               None)
+    rows = []
+    for c, r in zip(curves, results, strict=True):
+        exchanged = r["bytes_exchanged"]
+        reduction, basis = None, "-"
+        if c.data_parallel:
+            reduction, basis = 1.0, "data-parallel itself"
+        elif ref is not None:
+            ref_bytes = ref[1]["bytes_exchanged"]
+            if ref_bytes and exchanged:
+                reduction, basis = ref_bytes / exchanged, f"vs run {ref[0].name}"
+        else:
+            per_step = c.allreduce_bytes_per_step()
+            if per_step and exchanged:
+                reduction = per_step * c.total_steps / exchanged
+                basis = "all-reduce formula"
+        rows.append(CompareRow(
+            run=c.name, run_id=c.run_id, strategy=c.strategy,
+            mode="-" if c.data_parallel else c.mode,
+            workers=c.n_workers,
+            final_eval_loss=r["final_eval_loss"], best_eval_loss=r["best_eval_loss"],
+            tokens=r["tokens"], bytes_exchanged=exchanged, bytes_source=r["bytes_source"],
+            reduction_vs_dp=reduction, reduction_basis=basis,
+            wall_s=r["wall_s"], wait_s_per_worker=r["wait_s_per_worker"],
+        ))
+    return rows
+
+
+# -- output ---------------------------------------------------------------------------------
+
+HEADERS = {
+    "run": "run", "strategy": "strategy", "mode": "mode", "workers": "workers",
+    "final_eval_loss": "final eval loss", "best_eval_loss": "best eval loss",
+    "tokens": "tokens", "bytes_exchanged": "bytes exchanged", "bytes_source": "bytes source",
+    "reduction_vs_dp": "reduction vs DP", "reduction_basis": "reduction basis",
+    "wall_s": "wall time", "wait_s_per_worker": "wait per worker",
+}
+
+
+def _fmt(name: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if name.endswith("eval_loss"):
+        return f"{value:.4f}"
+    if name == "tokens":
+        return f"{value:,.0f}"
+    if name == "bytes_exchanged":
+        return fmt_bytes(value)
+    if name == "reduction_vs_dp":
+        return f"{value:,.1f}x"
+    if name in ("wall_s", "wait_s_per_worker"):
+        return f"{value:,.1f} s"
+    return str(value)
+
+
+def formatted(rows: list[CompareRow]) -> list[dict[str, str]]:
+    return [{HEADERS[k]: _fmt(k, v) for k, v in asdict(row).items() if k in HEADERS}
+            for row in rows]
+
+
+def rich_table(rows: list[CompareRow], width: int = 200) -> Table:
+    """A row per run when the terminal is wide enough, else a column per run."""
+    cells = formatted(rows)
+    if width >= 190 or len(rows) > 6:
+        table = Table(title="diloco compare", header_style="bold")
+        for name, header in HEADERS.items():
+            numeric = name not in ("run", "strategy", "mode", "bytes_source", "reduction_basis")
+            table.add_column(header, justify="right" if numeric else "left")
+        for row in cells:
+            table.add_row(*row.values())
+        return table
+    table = Table(title="diloco compare", header_style="bold", show_header=True)
+    table.add_column("", style="bold")
+    for row in cells:
+        table.add_column(row["run"], justify="right")
+    for header in list(HEADERS.values())[1:]:
+        table.add_row(header, *(row[header] for row in cells))
+    return table
+
+
+def write_csv(rows: list[CompareRow], path: Path) -> Path:
+    """Raw numbers (bytes, seconds, tokens), one row per run."""
+    fields = list(asdict(rows[0])) if rows else list(CompareRow.__dataclass_fields__)
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ("" if v is None else v) for k, v in asdict(row).items()})
+    return path
+
+
+def write_markdown(rows: list[CompareRow], path: Path, plots: list[Path]) -> Path:
+    table = formatted(rows)
+    headers = list(HEADERS.values())
+    right = {HEADERS[k] for k in HEADERS
+             if k not in ("run", "strategy", "mode", "bytes_source", "reduction_basis")}
+    lines = ["| " + " | ".join(headers) + " |",
+             "| " + " | ".join("---:" if h in right else "---" for h in headers) + " |"]
+    lines += ["| " + " | ".join(r[h].replace("|", "\\|") for h in headers) + " |"
+              for r in table]
+    lines += ["", "Run ids: " + ", ".join(f"{r.run} = `{r.run_id}`" for r in rows), ""]
+    lines += [f"![{p.stem}]({p.name})" for p in plots]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _log_comparison(client: Any, rows: list[CompareRow], files: list[Path]) -> str:
+    name = experiment_name()
+    exp = client.get_experiment_by_name(name)
+    exp_id = exp.experiment_id if exp is not None else client.create_experiment(
+        name, artifact_location=artifact_location(client.tracking_uri))
+    title = "compare " + " vs ".join(r.run for r in rows)
+    run = client.create_run(exp_id, run_name=title[:200], tags={
+        "diloco.role": "compare",
+        "diloco.compared": ",".join(r.run_id for r in rows)[:8000],
+    })
+    run_id = run.info.run_id
+    for path in files:
+        client.log_artifact(run_id, str(path))
+    client.set_terminated(run_id)
+    return run_id
+
+
+def compare(
+    specs: list[str],
+    *,
+    tracking_uri: str | None = None,
+    out_dir: str | Path = "compare",
+    formats: tuple[str, ...] | list[str] = ("table", "csv", "md"),
+    log: bool = False,
+    console: Console | None = None,
+) -> CompareResult:
+    """Compare the runs named by ``specs`` (see the module docstring)."""
+    from mlflow import MlflowClient  # noqa: PLC0415
+
+    if not specs:
+        raise CompareError("name at least one run (run id, run name or filter)")
+    short_http_retries()
+    client = MlflowClient(tracking_uri=tracking_uri or default_tracking_uri())
+    runs = resolve_runs(client, list(specs))
+    curves = [load_run_curves(client, run) for run in runs]
+    rows = rows_for(curves)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = CompareResult(rows=rows, curves=curves)
+    result.plots = plot_overlay(curves, out)
+    if "csv" in formats:
+        result.csv_path = write_csv(rows, out / "compare.csv")
+    if "md" in formats:
+        result.md_path = write_markdown(rows, out / "compare.md", result.plots)
+    if "table" in formats:
+        console = console or Console()
+        console.print(rich_table(rows, console.width))
+    if log:
+        files = [p for p in (result.csv_path, result.md_path, *result.plots) if p]
+        result.comparison_run_id = _log_comparison(client, rows, files)
+    return result
+
+
+def compare_command(
+    specs: Annotated[list[str], typer.Argument(
+        help="run ids, run names, or MLflow filter strings (quote them), e.g. "
+             "\"params.sync.mode = 'eager'\"")],
+    tracking_uri: Annotated[str | None, typer.Option(
+        "--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else "
+                               "sqlite:///./mlflow.db)")] = None,
+    out: Annotated[Path, typer.Option(
+        "--out", help="directory for the plots, CSV and Markdown")] = Path("compare"),
+    write_csv_file: Annotated[bool, typer.Option("--csv/--no-csv", help="write compare.csv")]
+    = True,
+    write_md_file: Annotated[bool, typer.Option("--md/--no-md", help="write compare.md")]
+    = True,
+    log_run: Annotated[bool, typer.Option(
+        "--log", help="record the table and plots as artifacts of a comparison run")] = False,
+) -> None:
+    """Compare runs: a table of eval loss, tokens, bytes exchanged (and the reduction
+    against data-parallel), wall time and waiting; overlay plots as PNG."""
+    console = Console()
+    formats = ["table"] + (["csv"] if write_csv_file else []) + (["md"] if write_md_file else [])
+    try:
+        result = compare(specs, tracking_uri=tracking_uri, out_dir=out, formats=formats,
+                         log=log_run, console=console)
+    except CompareError as exc:
+        Console(stderr=True).print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    for path in [result.csv_path, result.md_path, *result.plots]:
+        if path is not None:
+            console.print(f"wrote {path}")
+    if result.comparison_run_id:
+        console.print(f"logged as MLflow run {result.comparison_run_id}")

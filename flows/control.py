@@ -1,0 +1,175 @@
+"""Controlling a run through its store: the cancel request and the launcher record.
+
+Like everything else about a run, control goes through the bucket, so it works
+from any region and whether or not Prefect is reachable::
+
+    control/cancel.json        a cancel request (who, when, why); every job polls it
+    control/cancelled/<t>.json earlier requests, kept when ``diloco resume`` clears one
+    members/launcher.json      how the jobs were launched: local PIDs (host, command,
+                               log file) or Prefect flow-run ids
+
+`CancelWatch` is the poller the jobs run beside their work; `ParentWatch` stops a
+locally launched job whose launcher died, so no job outlives the command that
+started it.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from storage.errors import ObjectMissing, StoreError
+from storage.objectstore import ObjectStore
+
+log = logging.getLogger(__name__)
+
+CANCEL_KEY = "control/cancel.json"
+CANCELLED_PREFIX = "control/cancelled"
+LAUNCHER_KEY = "members/launcher.json"
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def _who() -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name in some containers
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def _read_json(store: ObjectStore, key: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(store.get(key))
+    except ObjectMissing:
+        return None
+    except ValueError:
+        log.warning("%s is not valid JSON; ignoring it", store.full_url(key))
+        return None
+
+
+# -- the cancel request ---------------------------------------------------------------
+
+
+def request_cancel(store: ObjectStore, reason: str = "") -> dict[str, Any]:
+    """Ask every job of the run to stop (they checkpoint first). Idempotent."""
+    existing = cancel_request(store)
+    if existing is not None:
+        return existing
+    body = {"requested": _now(), "by": _who(), "reason": reason or "cancelled by request"}
+    store.put(CANCEL_KEY, json.dumps(body).encode())
+    return body
+
+
+def cancel_request(store: ObjectStore) -> dict[str, Any] | None:
+    """The pending cancel request, or None."""
+    return _read_json(store, CANCEL_KEY)
+
+
+def clear_cancel(store: ObjectStore) -> dict[str, Any] | None:
+    """Withdraw a pending request (``resume``), keeping it under control/cancelled/."""
+    body = cancel_request(store)
+    if body is None:
+        return None
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+    store.put(f"{CANCELLED_PREFIX}/{stamp}.json", json.dumps({**body, "cleared": _now()}).encode())
+    store.delete(CANCEL_KEY)
+    return body
+
+
+# -- the launcher record --------------------------------------------------------------
+
+
+def write_launcher(store: ObjectStore, record: dict[str, Any]) -> None:
+    """Record how the jobs of the run were launched (overwritten on each launch)."""
+    body = {"updated": _now(), "host": socket.gethostname(), "pid": os.getpid(), **record}
+    try:
+        store.put(LAUNCHER_KEY, json.dumps(body, indent=1).encode())
+    except StoreError as exc:  # the record helps cancel; losing it never stops training
+        log.warning("could not write %s: %s", store.full_url(LAUNCHER_KEY), exc)
+
+
+def read_launcher(store: ObjectStore) -> dict[str, Any] | None:
+    return _read_json(store, LAUNCHER_KEY)
+
+
+# -- watchers -------------------------------------------------------------------------
+
+
+class _Poller:
+    """A daemon thread that calls ``check`` every ``interval`` seconds until it
+    returns True or the watcher is stopped."""
+
+    def __init__(self, name: str, interval: float):
+        self.interval = interval
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def check(self) -> bool:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _loop(self) -> None:
+        while not self._done.wait(self.interval):
+            try:
+                if self.check():
+                    return
+            except Exception as exc:  # noqa: BLE001 - a watcher never kills its job
+                log.debug("%s: %s", self._thread.name, exc)
+
+    def start(self) -> _Poller:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def __enter__(self) -> _Poller:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class CancelWatch(_Poller):
+    """Calls ``on_cancel(request)`` once when the run's cancel request appears."""
+
+    def __init__(self, store: ObjectStore, on_cancel: Callable[[dict[str, Any]], None],
+                 interval: float = 2.0):
+        super().__init__("cancel-watch", interval)
+        self.store = store
+        self.on_cancel = on_cancel
+        self.request: dict[str, Any] | None = None
+
+    def check(self) -> bool:
+        found = cancel_request(self.store)
+        if found is None:
+            return False
+        self.request = found
+        log.info("cancel requested by %s: %s", found.get("by"), found.get("reason"))
+        self.on_cancel(found)
+        return True
+
+
+class ParentWatch(_Poller):
+    """Calls ``on_orphaned()`` once if the process that started this one is gone."""
+
+    def __init__(self, on_orphaned: Callable[[], None], interval: float = 1.0):
+        super().__init__("parent-watch", interval)
+        self.parent = os.getppid()
+        self.on_orphaned = on_orphaned
+
+    def check(self) -> bool:
+        if os.getppid() == self.parent:
+            return False
+        log.warning("the launcher (pid %d) is gone; stopping", self.parent)
+        self.on_orphaned()
+        return True

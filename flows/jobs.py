@@ -1,0 +1,104 @@
+"""What the worker and aggregator jobs share: how they stop, end and report.
+
+A job stops the same way whatever asks it to: SIGTERM or SIGINT (a launcher, a
+Prefect worker cancelling the flow run, Ctrl-C), the run's cancel request in the
+store, or its launcher dying. Each of these sets one ``threading.Event``; the work
+loop sees it between two steps, checkpoints and returns. The job then ends with
+one of the states of `workers.status` and, as a process, with an exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from flows.hooks import Hooks, make_hooks
+from storage.objectstore import ObjectStore
+from workers.status import StatusBoard, read_status
+
+log = logging.getLogger(__name__)
+
+#: Exit statuses of ``python -m flows.worker`` and ``python -m flows.aggregator``.
+EXIT_FINISHED = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_STOPPED = 143  # interrupted or cancelled, checkpoint saved (128 + SIGTERM)
+
+EXIT_CODES = {"finished": EXIT_FINISHED, "interrupted": EXIT_STOPPED,
+              "cancelled": EXIT_STOPPED, "failed": EXIT_FAILED}
+
+
+def job_hooks(run_url: str, role: str, storage_options: dict | None) -> Hooks:
+    """The tracking hooks of a job; no-op hooks if they cannot even be built."""
+    try:
+        return make_hooks(run_url, role=role, storage_options=storage_options)
+    except Exception as exc:  # noqa: BLE001 - tracking never stops training
+        log.warning("%s: tracking is off: %s", role, exc)
+        return Hooks()
+
+
+def close_hooks(hooks: Hooks) -> None:
+    try:
+        hooks.close()
+    except Exception as exc:  # noqa: BLE001
+        log.warning("tracking: could not flush: %s", exc)
+
+
+@contextmanager
+def stop_on_signals(stop: threading.Event,
+                    first: Callable[[], None] | None = None) -> Iterator[None]:
+    """SIGTERM and SIGINT set ``stop`` while inside (main thread only; elsewhere,
+    signals are someone else's). With ``first``, the first signal calls it instead
+    and only a second one sets ``stop``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    seen = []
+
+    def handler(signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        seen.append(name)
+        if first is not None and len(seen) == 1:
+            log.info("received %s: finishing what is in flight", name)
+            first()
+        else:
+            log.info("received %s: stopping after the current step", name)
+            stop.set()
+
+    for s in previous:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def blocked_in(thread: threading.Thread, function: str, filename: str) -> bool:
+    """True if ``thread`` is inside ``function`` of a file ending in ``filename``."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == function and code.co_filename.endswith(filename):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def set_state(store: ObjectStore, name: str, state: str, **fields: Any) -> None:
+    """Overwrite the state in ``name``'s status, keeping its other fields."""
+    current = read_status(store, name) or {}
+    kept = {k: v for k, v in current.items() if k not in ("name", "state", "updated")}
+    StatusBoard(store, name).update(state, force=True, **{**kept, **fields})
+
+
+def print_result(result: dict[str, Any]) -> None:
+    """The last line a job prints: its result as JSON (parsed by tests and tools)."""
+    print(json.dumps(result, default=str), flush=True)

@@ -1,0 +1,309 @@
+"""Launching a run's jobs: one interface, two backends.
+
+- `LocalLauncher`: the jobs are child processes of this one on this machine
+  (``python -m flows.worker`` / ``python -m flows.aggregator``), started with
+  subprocess (never fork: s3fs is not fork-safe), each in its own session so that
+  stopping one stops its torchrun ranks too. Their output goes to
+  ``<run>/logs/<job>.log`` for a local store, else to a temporary folder. They
+  need no Prefect API.
+- `DeploymentLauncher`: each job is a flow run of a deployment, created with
+  ``run_deployment(..., timeout=0)`` (not waiting) and an idempotency key, so a
+  retried parent never launches a job twice: the workers on ``worker/<worker>`` (the
+  deployment in that region's work pool), the aggregator on ``aggregator/aggregator``.
+  Stopping sets the flow runs to Cancelling, which Prefect does not do by itself
+  for `run_deployment` children of a cancelled parent.
+
+Job states, as `poll` reports them: ``running``, ``finished``, ``stopped`` (ended
+after a stop request or a signal, checkpoint saved) and ``failed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from flows.jobs import EXIT_FINISHED, EXIT_STOPPED
+
+log = logging.getLogger(__name__)
+
+AGGREGATOR = "aggregator"
+
+
+class LaunchError(Exception):
+    """A job could not be launched."""
+
+
+class Launcher(Protocol):
+    backend: str
+
+    def start(self, run_url: str, name: str) -> None:
+        """Launch the job ``name``: a worker's name, or ``aggregator``."""
+
+    def poll(self) -> dict[str, str]:
+        """The state of every job launched so far."""
+
+    def stop(self, names: list[str], grace: float) -> None:
+        """Ask the jobs to stop (they checkpoint); force them after ``grace`` s."""
+
+    def record(self) -> dict[str, Any]:
+        """What ``members/launcher.json`` keeps about the jobs."""
+
+    def where(self, name: str) -> str:
+        """Where to look for a job's output."""
+
+
+def _local_dir(run_url: str) -> Path | None:
+    if "://" not in run_url:
+        return Path(run_url)
+    if run_url.startswith("file://"):
+        return Path(run_url.removeprefix("file://"))
+    return None
+
+
+class LocalLauncher:
+    """Jobs as child processes on this machine."""
+
+    backend = "local"
+
+    def __init__(self, *, storage_options: dict | None = None, nproc: int = 1,
+                 log_dir: str | Path | None = None, evaluate: bool = True,
+                 env: dict[str, str] | None = None):
+        self.storage_options = storage_options
+        self.nproc = nproc
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.evaluate = evaluate
+        self.env = env or {}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.commands: dict[str, list[str]] = {}
+        self.logs: dict[str, Path] = {}
+        self.exited: dict[str, int] = {}
+
+    def _logs_for(self, run_url: str) -> Path:
+        if self.log_dir is None:
+            local = _local_dir(run_url)
+            run_id = run_url.rstrip("/").rsplit("/", 1)[-1]
+            self.log_dir = (local / "logs" if local is not None
+                            else Path(tempfile.gettempdir()) / "diloco-logs" / run_id)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return self.log_dir
+
+    def command(self, run_url: str, name: str) -> list[str]:
+        if name == AGGREGATOR:
+            cmd = [sys.executable, "-m", "flows.aggregator", "--run", run_url]
+            if not self.evaluate:
+                cmd.append("--no-eval")
+        else:
+            cmd = [sys.executable, "-m", "flows.worker", "--run", run_url, "--worker", name,
+                   "--nproc", str(self.nproc)]
+        return [*cmd, "--exit-with-parent"]
+
+    def start(self, run_url: str, name: str) -> None:
+        cmd = self.command(run_url, name)
+        path = self._logs_for(run_url) / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        if self.storage_options:  # never on the command line, where ps shows it
+            env["DILOCO_STORAGE_OPTIONS"] = json.dumps(self.storage_options)
+        with open(path, "ab") as out:
+            try:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env,
+                                        start_new_session=True)
+            except OSError as exc:
+                raise LaunchError(f"could not start {name}: {exc}") from exc
+        self.procs[name], self.commands[name], self.logs[name] = proc, cmd, path
+        self.exited.pop(name, None)
+        log.info("started %s (pid %d), output in %s", name, proc.pid, path)
+
+    def poll(self) -> dict[str, str]:
+        out = {}
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code is None:
+                out[name] = "running"
+                continue
+            self.exited[name] = code
+            if code == EXIT_FINISHED:
+                out[name] = "finished"
+            elif code in (EXIT_STOPPED, -signal.SIGTERM, -signal.SIGINT):
+                out[name] = "stopped"
+            else:
+                out[name] = "failed"
+        return out
+
+    def stop(self, names: list[str], grace: float) -> None:
+        running = {n: self.procs[n] for n in names
+                   if n in self.procs and self.procs[n].poll() is None}
+        for name, proc in running.items():
+            log.info("stopping %s (pid %d)", name, proc.pid)
+            _signal(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for name, proc in running.items():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) did not stop within %.0f s; killing it", name,
+                            proc.pid, grace)
+                _signal(proc.pid, signal.SIGKILL, group=True)
+                proc.wait()
+
+    def record(self) -> dict[str, Any]:
+        return {"backend": self.backend, "jobs": {
+            name: {"pid": proc.pid, "command": self.commands[name], "log": str(self.logs[name]),
+                   "exit": proc.poll()}
+            for name, proc in self.procs.items()}}
+
+    def where(self, name: str) -> str:
+        path = self.logs.get(name)
+        if path is None:
+            return ""
+        tail = _tail(path)
+        return f"output in {path}" + (f"; last lines:\n{tail}" if tail else "")
+
+
+def _signal(pid: int, sig: int, group: bool = False) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        (os.killpg if group else os.kill)(pid, sig)
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    try:
+        text = path.read_text(errors="replace").rstrip().splitlines()
+    except OSError:
+        return ""
+    return "\n".join("    " + line for line in text[-lines:])
+
+
+# -- Prefect deployments -------------------------------------------------------------------
+
+_PREFECT_STATES = {
+    "SCHEDULED": "running", "PENDING": "running", "RUNNING": "running", "PAUSED": "running",
+    "CANCELLING": "running", "COMPLETED": "finished", "CANCELLED": "stopped",
+    "FAILED": "failed", "CRASHED": "failed",
+}
+
+
+class DeploymentLauncher:
+    """Jobs as flow runs of the worker deployment of each region's work pool."""
+
+    backend = "deployments"
+
+    def __init__(self, *, key: str, worker_deployment: str = "worker/{worker}",
+                 aggregator_deployment: str = "aggregator/aggregator",
+                 storage_options: dict | None = None, nproc: int | None = None,
+                 evaluate: bool = True):
+        self.key = key
+        self.worker_deployment = worker_deployment
+        self.aggregator_deployment = aggregator_deployment
+        self.storage_options = storage_options
+        self.nproc = nproc
+        self.evaluate = evaluate
+        self.flow_runs: dict[str, str] = {}
+        self.deployments: dict[str, str] = {}
+        self.attempts: dict[str, int] = {}
+
+    def deployment_for(self, name: str) -> str:
+        if name == AGGREGATOR:
+            return self.aggregator_deployment
+        return self.worker_deployment.format(worker=name)
+
+    def parameters(self, run_url: str, name: str) -> dict[str, Any]:
+        params: dict[str, Any] = {"run_url": run_url}
+        if name == AGGREGATOR:
+            if not self.evaluate:
+                params["evaluate"] = False
+        else:
+            params["worker"] = name
+            if self.nproc:
+                params["nproc"] = self.nproc
+        if self.storage_options:
+            params["storage_options"] = self.storage_options
+        return params
+
+    def start(self, run_url: str, name: str) -> None:
+        from prefect.deployments import run_deployment  # noqa: PLC0415
+
+        attempt = self.attempts.get(name, 0) + 1
+        self.attempts[name] = attempt
+        key = f"{self.key}:{name}" + (f":{attempt}" if attempt > 1 else "")
+        deployment = self.deployment_for(name)
+        run_id = run_url.rstrip("/").rsplit("/", 1)[-1]
+        try:
+            flow_run = run_deployment(
+                deployment, parameters=self.parameters(run_url, name), timeout=0,
+                idempotency_key=key, flow_run_name=f"{name} of {run_id}",
+                tags=["diloco", f"run:{run_id}"],
+            )
+        except Exception as exc:  # ObjectNotFound, unreachable API...
+            raise LaunchError(f"could not launch {name} on deployment {deployment!r}: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        self.flow_runs[name] = str(flow_run.id)
+        self.deployments[name] = deployment
+        log.info("launched %s: flow run %s of deployment %s", name, flow_run.id, deployment)
+
+    def poll(self) -> dict[str, str]:
+        from prefect import get_client  # noqa: PLC0415
+
+        out = {}
+        with get_client(sync_client=True) as client:
+            for name, run_id in self.flow_runs.items():
+                try:
+                    state = client.read_flow_run(run_id).state
+                except Exception as exc:  # noqa: BLE001 - the API may blink; the store is truth
+                    log.debug("could not read flow run %s: %s", run_id, exc)
+                    out[name] = "running"
+                    continue
+                out[name] = _PREFECT_STATES.get(state.type.value if state else "PENDING",
+                                                "running")
+        return out
+
+    def stop(self, names: list[str], grace: float) -> None:
+        cancel_flow_runs([self.flow_runs[n] for n in names if n in self.flow_runs],
+                         "the run was cancelled")
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            states = self.poll()
+            if all(states.get(n) != "running" for n in names):
+                return
+            time.sleep(1.0)
+        log.warning("flow runs still not stopped after %.0f s: %s", grace,
+                    [n for n, s in self.poll().items() if s == "running" and n in names])
+
+    def record(self) -> dict[str, Any]:
+        return {"backend": self.backend, "key": self.key, "jobs": {
+            name: {"flow_run": run_id, "deployment": self.deployments[name]}
+            for name, run_id in self.flow_runs.items()}}
+
+    def where(self, name: str) -> str:
+        run_id = self.flow_runs.get(name)
+        return f"flow run {run_id} (prefect flow-run logs {run_id})" if run_id else ""
+
+
+def cancel_flow_runs(flow_run_ids: list[str], message: str) -> list[str]:
+    """Set every unfinished flow run to Cancelling (Cancelled if it never started);
+    returns the ids it changed."""
+    from prefect import get_client  # noqa: PLC0415
+    from prefect.states import Cancelled, Cancelling  # noqa: PLC0415
+
+    changed = []
+    with get_client(sync_client=True) as client:
+        for run_id in flow_run_ids:
+            try:
+                state = client.read_flow_run(run_id).state
+                if state is None or state.is_final():
+                    continue
+                new = Cancelling(message=message) if state.is_running() or \
+                    state.is_cancelling() else Cancelled(message=message)
+                client.set_flow_run_state(run_id, new, force=True)
+                changed.append(run_id)
+            except Exception as exc:  # noqa: BLE001 - best effort; the store request stays
+                log.warning("could not cancel flow run %s: %s", run_id, exc)
+    return changed

@@ -1,0 +1,140 @@
+"""What a run has done, read from its store: live progress and the final report.
+
+Everything comes from the status board (``members/*/status.json``) and the
+committed means, so the same figures are seen from any region, by the train flow,
+``diloco status`` and the progress display alike.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from storage.exchange import Exchange
+from workers.status import read_all
+
+AGGREGATOR = "aggregator"
+
+#: Per-worker columns of the final table: (key in the report, title).
+WORKER_COLUMNS = [
+    ("worker", "worker"), ("state", "state"), ("steps", "steps"), ("tokens", "tokens"),
+    ("bytes_up", "bytes up"), ("bytes_down", "bytes down"), ("wait_s", "wait s"),
+    ("loss", "final loss"), ("eval_loss", "eval loss"),
+]
+
+
+def snapshot(exchange: Exchange) -> dict[str, Any]:
+    """Every party's newest status: ``{"workers": {w: status}, "aggregator": status}``."""
+    workers = exchange.manifest.workers
+    found = read_all(exchange.store, [*workers, AGGREGATOR])
+    return {"workers": {w: found[w] or {} for w in workers},
+            "aggregator": found[AGGREGATOR] or {},
+            "total_steps": exchange.manifest.total_steps,
+            "total_rounds": sum(exchange.manifest.rounds)}
+
+
+def fraction_done(snap: dict[str, Any]) -> float:
+    """0..1: the aggregator's rounds, or the workers' steps before the first round."""
+    agg = snap["aggregator"]
+    total_rounds = snap["total_rounds"] or 1
+    by_rounds = (agg.get("rounds") or 0) / total_rounds
+    steps = [s.get("step") or 0 for s in snap["workers"].values()]
+    by_steps = (min(steps) if steps else 0) / max(1, snap["total_steps"])
+    return max(0.0, min(1.0, max(by_rounds, 0.98 * by_steps)))
+
+
+def participation(aggregator_status: dict[str, Any], workers: list[str]) -> dict[str, Any]:
+    """From the aggregator's status: the mean fraction of workers in a round's mean,
+    and the rounds each worker took part in (counted as the rounds are applied)."""
+    counts = aggregator_status.get("rounds_by_worker") or {}
+    applied = aggregator_status.get("participants_total")
+    rounds = aggregator_status.get("counted_rounds") or 0
+    mean = applied / (rounds * len(workers)) if rounds and applied is not None else float("nan")
+    return {"participation": mean,
+            "rounds_by_worker": {w: int(counts.get(w, 0)) for w in workers},
+            "committed_rounds": rounds}
+
+
+def build_report(exchange: Exchange, *, run_url: str, state: str, wall_seconds: float,
+                 message: str = "") -> dict[str, Any]:
+    """The final report: per worker and global figures (the train job's result)."""
+    snap = snapshot(exchange)
+    workers = []
+    for name, s in snap["workers"].items():
+        workers.append({
+            "worker": name, "state": s.get("state", "not started"),
+            "steps": s.get("step", 0), "total_steps": s.get("total_steps",
+                                                            snap["total_steps"]),
+            "tokens": s.get("tokens", 0), "bytes_up": s.get("bytes_up", 0),
+            "bytes_down": s.get("bytes_down", 0), "wait_s": s.get("wait_s", 0.0),
+            "loss": s.get("loss"), "eval_loss": s.get("eval_loss"),
+        })
+    agg = snap["aggregator"]
+    eval_loss = agg.get("eval_loss")
+    return {
+        "run_id": exchange.manifest.run_id, "run_url": run_url, "state": state,
+        "message": message, "wall_seconds": wall_seconds, "workers": workers,
+        "global": {
+            "eval_loss": eval_loss,
+            "perplexity": math.exp(min(eval_loss, 50.0)) if eval_loss is not None else None,
+            "rounds": agg.get("rounds", 0), "total_rounds": snap["total_rounds"],
+            "rejected": agg.get("rejected", 0), "aggregator_state": agg.get("state"),
+            **participation(agg, exchange.manifest.workers),
+            "tokens": sum(w["tokens"] or 0 for w in workers),
+            "bytes_up": sum(w["bytes_up"] or 0 for w in workers),
+            "bytes_down": sum(w["bytes_down"] or 0 for w in workers),
+        },
+    }
+
+
+def table_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The final table: one row per worker, then one for the canonical model."""
+    rows = [{title: _cell(w.get(key)) for key, title in WORKER_COLUMNS}
+            for w in report["workers"]]
+    g = report["global"]
+    rows.append({
+        "worker": "canonical (aggregator)", "state": g.get("aggregator_state") or "",
+        "steps": f"{g['rounds']}/{g['total_rounds']} rounds",
+        "tokens": _cell(g["tokens"]), "bytes up": _cell(g["bytes_up"]),
+        "bytes down": _cell(g["bytes_down"]),
+        "wait s": f"participation {_percent(g['participation'])}",
+        "final loss": "", "eval loss": _cell(g["eval_loss"]),
+    })
+    return rows
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 4)
+    return "" if value is None else value
+
+
+def _percent(value: float | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{100 * value:.0f}%"
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover
+
+
+def human_seconds(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 60}m {s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """A few lines for the Prefect artifact's description."""
+    g = report["global"]
+    loss = "-" if g["eval_loss"] is None else f"{g['eval_loss']:.4f}"
+    return (f"**{report['run_id']}**: {report['state']} in "
+            f"{human_seconds(report['wall_seconds'])}. Canonical model: eval loss {loss} "
+            f"after {g['rounds']}/{g['total_rounds']} rounds, participation "
+            f"{_percent(g['participation'])}. Store: `{report['run_url']}`")

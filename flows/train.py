@@ -1,0 +1,401 @@
+"""The train job: create the run, launch its jobs, follow them, report.
+
+`run_train` is plain Python: validate, reach the store, create the run (or open
+it to resume), launch the aggregator and one job per worker through a launcher
+(`flows.launchers`), follow the status board until every job has ended, and
+return the final report. Whatever ends it (a cancel request in the store, a job
+that failed, Ctrl-C, SIGTERM from a Prefect worker), the jobs still running are
+stopped, workers first so that the aggregator reduces their last rounds: SIGTERM
+(or Cancelling for flow runs), a grace period to checkpoint, then SIGKILL.
+
+The `train` flow wraps it for Prefect: parameters, the launcher of the chosen
+backend with an idempotency key per flow run, a progress artifact updated as
+rounds complete, the final table artifact, and an ``on_cancellation`` hook that
+cancels the child flow runs (Prefect does not cancel ``run_deployment`` children
+of a cancelled parent) and asks the jobs through the store to stop.
+
+Continuing a run for more steps (``resume_run=URL``, ``extra_steps=N``), as a
+schedule does, creates a NEW run whose initial parameters are the canonical model
+of the old one (a run's length is fixed in its manifest); ``parent_run`` in its
+config links the two. ``resume_run="latest"`` continues the newest finished run of
+the same name under the store, so a cron schedule grows a chain of runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect import flow
+from prefect.states import Cancelled
+
+from flows.control import cancel_request, clear_cancel, request_cancel, write_launcher
+from flows.hooks import Hooks
+from flows.jobs import close_hooks, job_hooks
+from flows.launchers import AGGREGATOR, DeploymentLauncher, Launcher, LocalLauncher
+from flows.report import build_report, fraction_done, markdown, snapshot, table_rows
+from flows.runs import absolute, is_url, open_run, reach_store
+from storage.exchange import Exchange
+from storage.objectstore import ObjectStore
+from workers.config import ConfigError, RunConfig, load_config
+
+log = logging.getLogger(__name__)
+
+#: Seconds a job gets to checkpoint after SIGTERM / Cancelling before it is killed.
+STOP_GRACE_S = 60.0
+
+
+class JobFailed(Exception):
+    """A job of the run failed; the message names it and where its output is."""
+
+    def __init__(self, message: str, report: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.report = report
+
+
+# -- the plain job --------------------------------------------------------------------
+
+
+def create(cfg: RunConfig, run_url: str, *, storage_options: dict | None = None,
+           init_from: str | None = None) -> Exchange:
+    """Create the run; with ``init_from``, start from that run's canonical model."""
+    from workers.runs import create_run  # noqa: PLC0415 - torch is slow to import
+
+    model = None
+    if init_from:
+        from diloco.run import load_canonical, plan_for  # noqa: PLC0415
+        from workers.model import build_model  # noqa: PLC0415
+
+        parent = open_run(init_from, storage_options)
+        model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)
+        applied = load_canonical(parent, plan_for(model, cfg.sync), model)
+        log.info("starting from the canonical model of %s (rounds per fragment: %s)",
+                 init_from, applied)
+    return create_run(cfg, run_url, storage_options=storage_options, model=model)
+
+
+def run_train(
+    config: RunConfig | None,
+    run_url: str,
+    *,
+    launcher: Launcher,
+    resume: bool = False,
+    storage_options: dict | None = None,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    hooks: Hooks | None = None,
+    init_from: str | None = None,
+    poll_s: float = 1.0,
+    stop_grace_s: float = STOP_GRACE_S,
+    restarts: int = 1,
+) -> dict[str, Any]:
+    """Run a training run to its end; returns the final report (``state``: finished
+    or cancelled). Raises JobFailed if a job failed (after ``restarts`` relaunches
+    of a failed job), ConfigError, StoreUnreachable or RunExists before launching."""
+    start = time.monotonic()
+    run_url = absolute(run_url)
+    if config is None and not resume:
+        raise ConfigError("a config is needed to create a run")
+    reach_store(run_url, storage_options)
+    store = ObjectStore(run_url, storage_options=storage_options, name="train")
+    if resume:
+        exchange = open_run(run_url, storage_options)
+        config = RunConfig.model_validate(exchange.manifest.config)
+        cleared = clear_cancel(store)
+        if cleared:
+            log.info("withdrew the cancel request of %s", cleared.get("requested"))
+    else:
+        exchange = create(config, run_url, storage_options=storage_options,
+                          init_from=init_from)
+    hooks = hooks or job_hooks(run_url, "train", storage_options)
+    hooks.run_started(config.model_dump(mode="json"), run_url, resumed=resume)
+
+    snap = snapshot(exchange)
+    todo = [w for w in exchange.manifest.workers
+            if snap["workers"][w].get("state") != "finished"]
+    if snap["aggregator"].get("state") != "finished":
+        todo.insert(0, AGGREGATOR)
+    state, message = "finished", ""
+    try:
+        if todo:
+            for name in todo:
+                launcher.start(run_url, name)
+            write_launcher(store, launcher.record())
+            state, message = _follow(exchange, store, launcher, run_url, on_progress,
+                                     poll_s=poll_s, stop_grace_s=stop_grace_s,
+                                     restarts=restarts)
+        elif on_progress:
+            on_progress(snapshot(exchange))
+    except BaseException as exc:  # an error, Ctrl-C, SIGTERM (Prefect's TerminationSignal)
+        interrupted = isinstance(exc, KeyboardInterrupt) or not isinstance(exc, Exception)
+        state = "interrupted" if interrupted else "failed"
+        message = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:  # stop whatever still runs, then report, whatever ended the run
+        stop_all(launcher, exchange.manifest.workers, stop_grace_s)
+        if todo:
+            write_launcher(store, launcher.record())
+        report = build_report(exchange, run_url=run_url, state=state,
+                              wall_seconds=time.monotonic() - start, message=message)
+        hooks.run_finished(report)
+        close_hooks(hooks)
+    if state == "failed":
+        raise JobFailed(message, report)
+    return report
+
+
+def stop_all(launcher: Launcher, workers: list[str], grace: float) -> None:
+    """Stop the running jobs: workers first, then the aggregator."""
+    states = launcher.poll()
+    running = [n for n, s in states.items() if s == "running"]
+    first = [n for n in running if n in workers]
+    if first:
+        launcher.stop(first, grace)
+    if AGGREGATOR in running:
+        launcher.stop([AGGREGATOR], min(grace, 30.0))
+
+
+def _follow(exchange: Exchange, store: ObjectStore, launcher: Launcher, run_url: str,
+            on_progress: Callable[[dict[str, Any]], None] | None, *, poll_s: float,
+            stop_grace_s: float, restarts: int) -> tuple[str, str]:
+    """Follow the jobs until they have all ended: (state, message)."""
+    left = dict.fromkeys(launcher.poll(), restarts)
+    while True:
+        snap = snapshot(exchange)
+        if on_progress is not None:
+            try:
+                on_progress(snap)
+            except Exception as exc:  # noqa: BLE001 - reporting never stops a run
+                log.warning("progress report failed: %s", exc)
+        request = cancel_request(store)
+        if request is not None:
+            log.info("cancel requested by %s; stopping the jobs", request.get("by"))
+            stop_all(launcher, exchange.manifest.workers, stop_grace_s)
+            return "cancelled", f"cancelled by {request.get('by')}: {request.get('reason')}"
+        states = launcher.poll()
+        for name, state in states.items():
+            if state not in ("failed", "stopped"):
+                continue
+            if cancel_request(store) is not None:
+                break  # it stopped because of the request; the next pass handles it
+            party = snap["aggregator"] if name == AGGREGATOR else snap["workers"].get(name, {})
+            error = party.get("error") or f"its status says {party.get('state', 'nothing')!r}"
+            if state == "failed" and left.get(name, 0) > 0:
+                left[name] -= 1
+                log.warning("%s failed (%s); relaunching it (it resumes from the store)",
+                            name, error)
+                launcher.start(run_url, name)
+                write_launcher(store, launcher.record())
+                continue
+            how = "failed" if state == "failed" else "stopped without a cancel request"
+            return "failed", (f"{name} {how}: {error}. {launcher.where(name)}\n"
+                              f"Continue the run with: diloco resume {run_url}")
+        else:
+            if states and all(s == "finished" for s in states.values()):
+                if on_progress is not None:
+                    on_progress(snapshot(exchange))
+                return "finished", ""
+        time.sleep(poll_s)
+
+
+# -- continuing a run -----------------------------------------------------------------
+
+
+def latest_run(store: str, name: str, storage_options: dict | None = None) -> str:
+    """The newest run ``<store>/<name>-<time>`` whose aggregator finished."""
+    root = ObjectStore(absolute(store), storage_options=storage_options)
+    pattern = re.compile(rf"^{re.escape(name)}-\d{{8}}-\d{{6}}(-\d+)?$")
+    base = root.fs_path("run.json").rsplit("/", 1)[0]  # the root's path in its filesystem
+    try:
+        entries = root.fs.ls(base, detail=False)
+    except FileNotFoundError:
+        entries = []
+    names = sorted((e.rstrip("/").rsplit("/", 1)[-1] for e in entries), reverse=True)
+    for candidate in (n for n in names if pattern.match(n)):
+        url = f"{root.url.rstrip('/')}/{candidate}"
+        try:
+            snap = snapshot(open_run(url, storage_options))
+        except Exception:  # noqa: BLE001 - not a run, or half-created
+            continue
+        if snap["aggregator"].get("state") == "finished":
+            return url
+    raise ConfigError(f"resume_run=latest: no finished run named {name}-<time> under {store}")
+
+
+def continuation(parent_url: str, overrides: list[str] | None = None,
+                 extra_steps: int | None = None,
+                 storage_options: dict | None = None) -> RunConfig:
+    """The config of a run continuing ``parent_url``: its config, the overrides,
+    ``train.steps = extra_steps``, its dataset, and a new data seed."""
+    parent = open_run(parent_url, storage_options)
+    tree = dict(parent.manifest.config)
+    cfg_parent = RunConfig.model_validate(tree)
+    items = list(overrides or [])
+    if extra_steps is not None:
+        items.append(f"train.steps={int(extra_steps)}")
+    if not any(o.split("=", 1)[0].strip() == "train.seed" for o in items):
+        items.append(f"train.seed={cfg_parent.train.seed + 1}")  # new batches, same data
+    if not any(o.split("=", 1)[0].strip() == "data.dataset" for o in items):
+        items.append(f"data.dataset={cfg_parent.dataset_url(parent_url)}")
+    items.append(f"parent_run={parent_url}")
+    return load_config({k: v for k, v in tree.items() if k != "parent_run"}, items)
+
+
+# -- Prefect --------------------------------------------------------------------------
+
+
+class Artifacts:
+    """The progress artifact (updated as rounds complete) and the final table."""
+
+    def __init__(self, run_id: str):
+        self.key = re.sub(r"[^a-z0-9-]+", "-", f"diloco-{run_id}".lower()).strip("-")[:90]
+        self.progress_id = None
+        self.rounds = -1
+        self.last = 0.0
+
+    def progress(self, snap: dict[str, Any]) -> None:
+        from prefect.artifacts import (  # noqa: PLC0415
+            create_progress_artifact,
+            update_progress_artifact,
+        )
+
+        rounds = snap["aggregator"].get("rounds") or 0
+        if rounds == self.rounds and time.monotonic() - self.last < 15:
+            return
+        self.rounds, self.last = rounds, time.monotonic()
+        percent = 100.0 * fraction_done(snap)
+        try:
+            if self.progress_id is None:
+                self.progress_id = create_progress_artifact(
+                    percent, key=f"{self.key}-progress",
+                    description=f"rounds applied by the aggregator: {rounds}/"
+                                f"{snap['total_rounds']}")
+            else:
+                update_progress_artifact(self.progress_id, percent)
+        except Exception as exc:  # noqa: BLE001 - artifacts never stop a run
+            log.warning("progress artifact: %s", exc)
+
+    def final(self, report: dict[str, Any]) -> None:
+        from prefect.artifacts import (  # noqa: PLC0415
+            create_table_artifact,
+            update_progress_artifact,
+        )
+
+        try:
+            if self.progress_id is not None and report["state"] == "finished":
+                update_progress_artifact(self.progress_id, 100.0)
+            create_table_artifact(table_rows(report), key=f"{self.key}-report",
+                                  description=markdown(report))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("report artifact: %s", exc)
+
+
+def _cancel_children(flow, flow_run, state) -> None:  # noqa: ANN001 - Prefect hook signature
+    """on_cancellation: cancel the child flow runs and ask their jobs, through the
+    run's store, to stop (local jobs get SIGTERM from this flow's process)."""
+    from prefect import get_client  # noqa: PLC0415
+    from prefect.client.schemas.filters import (  # noqa: PLC0415
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
+
+    from flows.launchers import cancel_flow_runs  # noqa: PLC0415
+
+    with get_client(sync_client=True) as client:
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id])))
+    urls = {c.parameters.get("run_url") for c in children} - {None}
+    urls |= {flow_run.parameters.get("run_url")} - {None}
+    for url in urls:
+        try:
+            request_cancel(ObjectStore(url, storage_options=flow_run.parameters.get(
+                "storage_options")), reason=f"flow run {flow_run.name} was cancelled")
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not write the cancel request of %s: %s", url, exc)
+    cancel_flow_runs([str(c.id) for c in children], f"parent {flow_run.name} was cancelled")
+
+
+def stable_run_url(cfg: RunConfig, when: datetime) -> str:
+    """The run URL of a flow run: from its scheduled start, the same on a retry."""
+    return f"{absolute(cfg.store).rstrip('/')}/{cfg.name}-{when:%Y%m%d-%H%M%S}"
+
+
+@flow(name="train", log_prints=True, on_cancellation=[_cancel_children])
+def train(
+    config: str | dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+    run_url: str | None = None,
+    backend: Literal["local", "deployments"] = "local",
+    resume: bool = False,
+    resume_run: str | None = None,
+    extra_steps: int | None = None,
+    nproc: int = 1,
+    worker_deployment: str = "worker/{worker}",
+    aggregator_deployment: str = "aggregator/aggregator",
+    storage_options: dict | None = None,
+    evaluate: bool = True,
+) -> dict[str, Any]:
+    """Train a model across regions: create the run, launch a worker job per worker
+    and the aggregator (``local`` processes or ``deployments`` in each region's work
+    pool), follow them, and report.
+
+    - ``config``: a recipe name (configs/), a YAML path or the config itself;
+      ``overrides``: ``key=value`` items.
+    - ``run_url``: default ``<store>/<name>-<time>``; ``resume=True`` continues it.
+    - ``resume_run`` (a run URL, or ``latest``) with ``extra_steps``: a new run that
+      starts from that run's canonical model (for schedules).
+    """
+    from prefect.runtime import flow_run  # noqa: PLC0415
+
+    if resume_run:
+        if resume_run == "latest":
+            base = load_config(config, overrides)
+            resume_run = latest_run(base.store, base.name, storage_options)
+        cfg = continuation(resume_run, overrides, extra_steps, storage_options)
+    elif resume:
+        if not run_url:
+            raise ConfigError("resume=True needs the run_url of the run to resume")
+        cfg = None
+    else:
+        cfg = load_config(config, overrides)
+    retried = (flow_run.run_count or 1) > 1
+    if run_url is None:
+        when = flow_run.scheduled_start_time
+        run_url = stable_run_url(cfg, when.astimezone() if when else datetime.now())
+    run_url = absolute(run_url)
+    if backend == "deployments" and not is_url(run_url):
+        log.info("deployments share the store by URL: %s", Path(run_url).as_uri())
+        run_url = Path(run_url).as_uri()
+    if retried and not resume:
+        try:
+            open_run(run_url, storage_options)
+            resume = True  # attempt 1 created it; same jobs (same idempotency keys)
+        except Exception:  # noqa: BLE001
+            pass
+    key = f"{flow_run.id or 'local'}:{run_url.rstrip('/').rsplit('/', 1)[-1]}"
+    if backend == "deployments":
+        launcher: Launcher = DeploymentLauncher(
+            key=key, worker_deployment=worker_deployment,
+            aggregator_deployment=aggregator_deployment, storage_options=storage_options,
+            nproc=nproc if nproc > 1 else None, evaluate=evaluate)
+    else:
+        launcher = LocalLauncher(storage_options=storage_options, nproc=nproc,
+                                 evaluate=evaluate)
+    artifacts = Artifacts(run_url.rstrip("/").rsplit("/", 1)[-1])
+    try:
+        report = run_train(cfg, run_url, launcher=launcher, resume=resume,
+                           storage_options=storage_options, on_progress=artifacts.progress,
+                           init_from=resume_run if cfg is not None else None)
+    except JobFailed as exc:
+        if exc.report:
+            artifacts.final(exc.report)
+        raise
+    artifacts.final(report)
+    print(markdown(report))
+    if report["state"] == "cancelled":
+        return Cancelled(message=report["message"], data=report)
+    return report

@@ -1,0 +1,325 @@
+"""One worker job: train one worker (one island in one region) to the end.
+
+    python -m flows.worker --run URL --worker region-a [--nproc 2]
+
+`run_worker_job` is plain Python (no Prefect API), so a local launcher can run it
+as a child process and a Prefect work pool through the `worker` flow. With one
+process it runs `workers.train.WorkerLoop` here; an island of several processes
+runs under torchrun (``-m workers -- --run URL --worker W``). Either way the
+worker writes its progress to ``members/<worker>/status.json``, its metrics go to
+the tracking hooks, and it stops after a checkpoint on SIGTERM/SIGINT, on the
+run's cancel request, or (``--exit-with-parent``) when its launcher dies. Started
+again with the same arguments, it resumes from ``workers/<worker>/ckpt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from prefect.states import Cancelled
+
+from flows.control import CancelWatch, ParentWatch, cancel_request
+from flows.hooks import Hooks
+from flows.jobs import (
+    EXIT_CODES,
+    EXIT_USAGE,
+    blocked_in,
+    close_hooks,
+    job_hooks,
+    print_result,
+    set_state,
+    stop_on_signals,
+)
+from storage.objectstore import ObjectStore
+from workers.status import read_status
+
+log = logging.getLogger(__name__)
+progress_log = logging.getLogger("workers.progress")
+
+#: After a stop request, how long an island under torchrun gets before SIGKILL.
+TORCHRUN_GRACE_S = 60.0
+#: After a stop request, how long a worker may stay blocked waiting for a mean
+#: before it gives up on a last checkpoint (see `Unblocker`).
+BLOCKED_PATIENCE_S = 10.0
+#: After a stop request, how long ``python -m flows.worker`` waits for a step
+#: boundary before it exits without a checkpoint (a worker blocked waiting for the
+#: mean of a round another worker will never send). It resumes from its last one.
+STOP_GRACE_S = 90.0
+
+
+def run_worker_job(
+    run_url: str,
+    worker: str,
+    storage_options: dict | None = None,
+    nproc: int = 1,
+    *,
+    stop: threading.Event | None = None,
+    hooks: Hooks | None = None,
+    exit_with_parent: bool = False,
+    cancel_poll_s: float = 2.0,
+) -> dict[str, Any]:
+    """Train ``worker`` of the run at ``run_url``; returns ``{"worker", "state", ...}``
+    where state is finished, interrupted (stopped by a signal) or cancelled (the
+    run's cancel request). Raises if training fails (the status says ``failed``)."""
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    stop = stop or threading.Event()
+    hooks = hooks or job_hooks(run_url, f"worker:{worker}", storage_options)
+    control = ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-control")
+    cancelled = threading.Event()
+
+    def on_cancel(_request: dict) -> None:
+        cancelled.set()
+        stop.set()
+
+    watchers = [CancelWatch(control, on_cancel, interval=cancel_poll_s)]
+    if exit_with_parent:
+        watchers.append(ParentWatch(stop.set))
+    for w in watchers:
+        w.start()
+    try:
+        with stop_on_signals(stop):
+            if nproc == 1:
+                out = _in_process(run_url, worker, storage_options, stop, cancelled, hooks)
+            else:
+                out = _island(run_url, worker, storage_options, nproc, stop, cancelled, hooks)
+    finally:
+        for w in watchers:
+            w.stop()
+        close_hooks(hooks)
+    if out["state"] == "interrupted" and cancel_request(control) is not None:
+        out["state"] = "cancelled"  # the launcher's SIGTERM came before our own poll
+    if out["state"] == "cancelled":
+        set_state(control, worker, "cancelled")
+    return out
+
+
+def _emit(worker: str, hooks: Hooks):
+    def emit(m: dict[str, Any]) -> None:
+        if "loss" in m:
+            progress_log.info(
+                "%s step %d loss %.4f lr %.2e %.0f tok/s wait %.2fs up %d B down %d B",
+                worker, m["step"], m["loss"], m["lr"], m["tokens_per_s"],
+                m.get("wait_s", 0.0), m["bytes_up"], m["bytes_down"])
+        elif "eval_loss" in m:
+            progress_log.info("%s step %d eval loss %.4f", worker, m["step"], m["eval_loss"])
+        hooks.worker_metrics(worker, m)
+
+    return emit
+
+
+def _in_process(run_url: str, worker: str, storage_options: dict | None,
+                stop: threading.Event, cancelled: threading.Event,
+                hooks: Hooks) -> dict[str, Any]:
+    from workers.train import Interrupted, WorkerLoop  # noqa: PLC0415 - torch is slow to import
+
+    try:
+        loop = WorkerLoop(run_url, worker, storage_options=storage_options, stop=stop,
+                          metrics=_emit(worker, hooks))
+    except Exception as exc:
+        status = ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-status")
+        set_state(status, worker, "failed", error=f"{type(exc).__name__}: {exc}")
+        hooks.worker_finished(worker, {"error": str(exc)}, "failed")
+        raise
+    hooks.worker_started(worker, {"host": socket.gethostname(), "pid": os.getpid(),
+                                  "island": 1, "resumed_from": loop.resumed_from})
+    unblock = Unblocker(loop, stop, threading.current_thread())
+    unblock.start()
+    try:
+        result = loop.run().to_dict()
+        state = "finished"
+    except Interrupted as exc:
+        state = "cancelled" if cancelled.is_set() else "interrupted"
+        result = {"worker": worker, "steps": exc.step, "tokens": loop.tokens}
+    except Exception as exc:
+        if not unblock.forced:
+            hooks.worker_finished(worker, {"steps": loop.step, "error": str(exc)}, "failed")
+            raise
+        # stopped while blocked on a mean: no new checkpoint, the last one stands
+        state = "cancelled" if cancelled.is_set() else "interrupted"
+        saved = checkpoint_step(loop)
+        result = {"worker": worker, "steps": saved, "tokens": loop.tokens}
+        status = ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-status")
+        set_state(status, worker, state, error=None,
+                  note=f"stopped while waiting for a mean; resumes from step {saved}")
+    finally:
+        unblock.done.set()
+        loop.close()
+    hooks.worker_finished(worker, result, state)
+    return {**result, "worker": worker, "state": state}
+
+
+class Unblocker(threading.Thread):
+    """After a stop request, a worker that stays blocked waiting for a mean (one
+    that another stopped worker will never let the aggregator reduce) would wait
+    until it is killed. After ``patience`` seconds blocked there, this closes its
+    synchroniser, so that the loop ends; the worker then resumes from its last
+    periodic checkpoint, as after a crash."""
+
+    def __init__(self, loop: Any, stop: threading.Event, main: threading.Thread,
+                 patience: float | None = None):
+        super().__init__(name="unblock", daemon=True)
+        self.loop, self.stop, self.main = loop, stop, main
+        self.patience = BLOCKED_PATIENCE_S if patience is None else patience
+        self.done = threading.Event()
+        self.forced = False
+
+    def run(self) -> None:
+        while not self.stop.wait(1.0):
+            if self.done.is_set():
+                return
+        blocked_since = None
+        while not self.done.wait(1.0):
+            if not blocked_in(self.main, "_wait", os.path.join("diloco", "replica.py")):
+                blocked_since = None
+                continue
+            blocked_since = blocked_since or time.monotonic()
+            if time.monotonic() - blocked_since >= self.patience and self.loop.sync:
+                log.warning("worker %s: blocked waiting for a mean for %.0f s after the "
+                            "stop request; stopping without a new checkpoint",
+                            self.loop.worker, self.patience)
+                self.forced = True
+                self.loop.sync.close()
+                return
+
+
+def checkpoint_step(loop: Any) -> int:
+    from workers import checkpoint  # noqa: PLC0415
+
+    return checkpoint.latest_step(loop.ckpt_store, loop.worker) or 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(run_url: str, worker: str, nproc: int,
+                     storage_options: dict | None = None) -> list[str]:
+    """torchrun for an island of ``nproc`` processes on this machine (the ``--``
+    keeps torchrun from reading ``--run`` as its own ``--run-path``)."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun) if torchrun.exists() else "torchrun", "--nnodes", "1",
+           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "workers", "--",
+           "--run", run_url, "--worker", worker]
+    for key, value in (storage_options or {}).items():
+        cmd += ["--storage-option", f"{key}={json.dumps(value)}"]
+    return cmd
+
+
+def _island(run_url: str, worker: str, storage_options: dict | None, nproc: int,
+            stop: threading.Event, cancelled: threading.Event,
+            hooks: Hooks) -> dict[str, Any]:
+    """An island under torchrun; its progress is read back from the status board
+    and forwarded to the hooks."""
+    store = ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-status")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.Popen(torchrun_command(run_url, worker, nproc, storage_options),
+                            env=env, start_new_session=True)
+    hooks.worker_started(worker, {"host": socket.gethostname(), "pid": proc.pid,
+                                  "island": nproc})
+    last_step, stopping_since = -1, None
+    while proc.poll() is None:
+        time.sleep(1.0)
+        status = read_status(store, worker) or {}
+        if status.get("step", -1) != last_step and "loss" in status:
+            last_step = status["step"]
+            hooks.worker_metrics(worker, {k: status[k] for k in (
+                "step", "loss", "tokens", "bytes_up", "bytes_down", "wait_s") if k in status})
+        if stop.is_set() and stopping_since is None:
+            stopping_since = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+        elif stopping_since is not None and time.monotonic() - stopping_since > TORCHRUN_GRACE_S:
+            log.warning("worker %s: island did not stop in %.0f s; killing it", worker,
+                        TORCHRUN_GRACE_S)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    status = read_status(store, worker) or {}
+    result = {"worker": worker, **{k: status[k] for k in (
+        "step", "tokens", "bytes_up", "bytes_down", "wait_s", "loss", "eval_loss")
+        if k in status}}
+    if proc.returncode == 0:
+        state = "finished"
+    elif stop.is_set():
+        state = "cancelled" if cancelled.is_set() else "interrupted"
+    else:
+        hooks.worker_finished(worker, result, "failed")
+        raise RuntimeError(f"worker {worker}: torchrun exited with status {proc.returncode}")
+    hooks.worker_finished(worker, result, state)
+    return {**result, "state": state}
+
+
+@flow(name="worker", log_prints=True)
+def worker(run_url: str, worker: str, storage_options: dict | None = None, nproc: int = 1):
+    """One worker of a run, in this work pool's region: trains to the end, resuming
+    from its checkpoints; a cancelled flow run checkpoints before it stops."""
+    out = run_worker_job(run_url, worker, storage_options, nproc)
+    if out["state"] != "finished":
+        return Cancelled(message=f"worker {worker} {out['state']} after step "
+                                 f"{out.get('steps', out.get('step'))}; checkpoint saved")
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m flows.worker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="the run's URL")
+    p.add_argument("--worker", required=True, help="the worker's name (one of the run's)")
+    p.add_argument("--nproc", type=int, default=1, help="processes in the island (torchrun)")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop (after a checkpoint) if the launching process dies")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def exit_if_stuck(stop: threading.Event, grace: float, name: str) -> None:
+    """Once ``stop`` is set, give the job ``grace`` seconds, then end the process."""
+    stop.wait()
+    time.sleep(grace)
+    log.error("%s: no step boundary within %.0f s of the stop request (blocked waiting "
+              "for a mean); exiting without a new checkpoint, it resumes from its last one",
+              name, grace)
+    logging.shutdown()
+    os._exit(EXIT_CODES["interrupted"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Storage options come from ``DILOCO_STORAGE_OPTIONS`` (JSON), never argv."""
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    options = json.loads(os.environ.get("DILOCO_STORAGE_OPTIONS") or "null")
+    stop = threading.Event()
+    threading.Thread(target=exit_if_stuck, args=(stop, STOP_GRACE_S, args.worker),
+                     daemon=True).start()
+    try:
+        out = run_worker_job(args.run, args.worker, options, args.nproc, stop=stop,
+                             exit_with_parent=args.exit_with_parent)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001 - one line a user can act on
+        if args.log_level == "DEBUG":
+            raise
+        log.error("worker %s failed: %s: %s", args.worker, type(exc).__name__, exc)
+        return EXIT_CODES["failed"]
+    print_result(out)
+    return EXIT_CODES[out["state"]]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

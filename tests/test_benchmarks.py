@@ -1,0 +1,244 @@
+"""Smoke tests of the benchmarks: their arithmetic, the counting proxy, the network
+namespaces (when root), and a 2-step quality run end to end."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+# benchmarks/ is not an installed package: importable from the repository root,
+# which `python -m pytest` puts on sys.path and the `pytest` script does not.
+ROOT = str(Path(__file__).resolve().parent.parent)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import bench_bandwidth, bench_quality, bench_traffic, netns, run_all  # noqa: E402
+from benchmarks import harness as h  # noqa: E402
+from benchmarks.timed_worker import Clock  # noqa: E402
+
+N = 885_888  # parameters of the reference model (harness.REFERENCE_MODEL)
+
+
+def test_reference_model_size():
+    """4 blocks of (4 x 128^2 attention + 3 x 128 x 384 SwiGLU + 2 x 128 norms) =
+    4 x 213,248, plus the tied 256 x 128 embedding and the final norm (128)."""
+    cfg = h.load(h.Contender("diloco"), h.reference_overrides())
+    assert cfg.model_config_resolved.num_parameters() == 4 * 213_248 + 32_768 + 128 == N
+
+
+def test_data_parallel_arithmetic():
+    """ALGORITHMS.md section 6: a ring all-reduce sends and receives 2 (M-1)/M x 32 bits
+    per parameter each way: 4 bytes at M = 2, 6 bytes at M = 4."""
+    assert bench_traffic.dp_arithmetic(N, 2) == {"up": 4 * N, "down": 4 * N}
+    assert bench_traffic.dp_arithmetic(N, 4) == {"up": 6 * N, "down": 6 * N}
+    assert bench_quality.dp_bytes_per_step(N, 2) == 8 * N  # up + down
+    # int4 up (4 + 32/128 bits) + int8 down (8 + 32/128 bits) every H = 100 steps:
+    # 12.5 / 100 bits a step against 64: 512 times less, above the 500 target.
+    diloco_bits = (4 + 32 / 128 + 8 + 32 / 128) / 100
+    assert 64 / diloco_bits == pytest.approx(512)
+
+
+def test_steady_state_leaves_the_final_round_out():
+    """Per step = sum over fragments of the mean bytes of a scheduled round / H."""
+    per_round = {
+        "0/r000000": {"bytes_up": 100, "bytes_down": 200, "requests": 4},
+        "0/r000001": {"bytes_up": 300, "bytes_down": 400, "requests": 6},
+        "0/r000002": {"bytes_up": 9999, "bytes_down": 9999, "requests": 99},  # final
+        "1/r000000": {"bytes_up": 50, "bytes_down": 60, "requests": 2},
+    }
+    worker = {"traffic": {"per_round": per_round}}
+    got = bench_traffic.steady_state(worker, rounds=[3, 1], sync_every=10,
+                                     final=[True, False])
+    # fragment 0: mean of (100, 300) / 10 = 20 up; fragment 1: 50 / 10 = 5 up
+    assert got == {"bytes_up": 25.0, "bytes_down": 36.0, "requests": 0.7}
+
+
+def test_summarise_traffic_splits_exchange_rounds_and_payloads():
+    snap = {
+        "requests": 9, "bytes_up": 1_100, "bytes_down": 5_000,
+        "by_category": {
+            "": {"requests": 1, "bytes_up": 0, "bytes_down": 500},  # run.json
+            "global/init/0": {"requests": 2, "bytes_up": 0, "bytes_down": 4_000},
+            "frag/0/r000000/delta/w0/abc": {"requests": 2, "bytes_up": 1_000, "bytes_down": 0},
+            "frag/0/r000000/commits": {"requests": 1, "bytes_up": 100, "bytes_down": 0},
+            "frag/0/r000000/mean/agg/xyz": {"requests": 3, "bytes_up": 0, "bytes_down": 500},
+        },
+        "objects_up": {"frag/0/r000000/delta/w0/abc/zarr.json": 200,
+                       "frag/0/r000000/delta/w0/abc/c/0": 800},
+        "objects_down": {"frag/0/r000000/mean/agg/xyz/c/0": 500},
+    }
+    s = h.summarise_traffic(snap)
+    assert s["exchange"] == {"requests": 6, "bytes_up": 1_100, "bytes_down": 500}
+    assert s["other"] == {"requests": 3, "bytes_up": 0, "bytes_down": 4_500}
+    assert s["per_round"] == {"0/r000000": {"requests": 6, "bytes_up": 1_100,
+                                            "bytes_down": 500}}
+    assert s["delta_payload_bytes"] == {"0/r000000": 1_000}
+    assert s["mean_payload_bytes"] == {"0/r000000": 500}
+
+
+def test_clock_utilisation():
+    """10 s loop, 1 s in merges, 2 s of final drain, 0.5 s of status writes:
+    compute 6.5 s; utilisation 6.5 / 10, steady 6.5 / 8."""
+    c = Clock()
+    c.loop_start, c.loop_end = 100.0, 110.0
+    c.sync_s, c.finish_s, c.status_s = 1.0, 2.0, 0.5
+    r = c.report()
+    assert r["compute_s"] == pytest.approx(6.5)
+    assert r["utilisation"] == pytest.approx(0.65)
+    assert r["utilisation_steady"] == pytest.approx(6.5 / 8)
+
+
+def test_caps_and_lowest_cap():
+    assert bench_bandwidth.parse_caps("none, 1000,1") == [None, 1e9, 1e6]
+    assert bench_bandwidth.cap_label(1e9) == "1 Gbit/s"
+    assert bench_bandwidth.cap_label(3e6) == "3 Mbit/s"
+
+    def r(cap, ok):
+        return {"mode": "eager", "cap_bits_per_s": cap, "keeps_95": ok}
+
+    # the ladder stops at the first failing rung from the top, even if a lower passes
+    rows = [r(None, True), r(1e9, True), r(1e7, True), r(1e6, False), r(3e5, True)]
+    assert bench_bandwidth.lowest_cap(rows, "eager") == 1e7
+    assert bench_bandwidth.lowest_cap([r(None, False)], "eager") == "not reached"
+    # data-parallel's steps at a cap: budget / all-reduce seconds a step, at least 3
+    assert bench_bandwidth.dp_steps(None, 90, N, 2, 60) == 90
+    assert bench_bandwidth.dp_steps(1e6, 90, N, 2, 60) == 3  # 28 s a step
+    assert bench_bandwidth.dp_steps(1e9, 90, N, 2, 60) == 90
+
+
+def test_contender_overrides_are_valid_configs():
+    for mode in ("data-parallel", *h.MODES):
+        for codec in h.CODECS:
+            c = h.Contender(mode, codec, workers=4, outer_lr=0.5, outer_momentum=0.0)
+            cfg = h.load(c, h.reference_overrides(steps=100))
+            assert len(cfg.workers) == 4
+            if mode != "data-parallel":
+                assert cfg.sync.eta == 0.5 and cfg.sync.mu == 0.0
+    with pytest.raises(ValueError, match="mode"):
+        h.Contender("nope")
+
+
+def test_counting_proxy_counts_both_ways():
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def echo():
+        conn, _ = server.accept()
+        with conn:
+            data = conn.recv(1 << 16)
+            conn.sendall(data * 3)
+
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+    proxy = bench_traffic.CountingProxy(f"http://127.0.0.1:{port}")
+    try:
+        host, pport = proxy.endpoint_url.rsplit("/", 1)[-1].split(":")
+        with socket.create_connection((host, int(pport))) as c:
+            c.sendall(b"x" * 1000)
+            got = b""
+            while len(got) < 3000:
+                got += c.recv(1 << 16)
+        t.join(5)
+        deadline = threading.Event()
+        for _ in range(50):
+            if proxy.counts()["down"] == 3000:
+                break
+            deadline.wait(0.05)
+        assert proxy.counts() == {"up": 1000, "down": 3000, "connections": 1}
+    finally:
+        proxy.close()
+        server.close()
+
+
+def test_run_all_commands():
+    quick = run_all.command("quality", True, False, h.RESULTS)
+    assert quick[1:3] == ["-m", "benchmarks.bench_quality"]
+    assert "--no-mlflow" in quick and "quick-quality" in quick
+    full = run_all.command("codecs", False, True, h.RESULTS)
+    assert full[-2:] == ["--out", str(h.RESULTS / "codecs.json")]
+
+
+needs_netns = pytest.mark.skipif(
+    netns.available() is not None, reason=f"network namespaces: {netns.available()}")
+
+
+@needs_netns
+def test_netns_topology_is_set_up_capped_and_cleaned_up():
+    prefix = "dlbz-"
+    netns.cleanup(prefix)
+    with netns.Topology(2, prefix=prefix, subnet="10.213.77") as topo:
+        assert sorted(netns.namespaces(prefix)) == ["dlbz-w0", "dlbz-w1"]
+        assert {"dlbz-br", "dlbz-w0h", "dlbz-w1h"} <= set(netns.links(prefix))
+        topo.set_cap(5e6)
+        classes = subprocess.run(["tc", "class", "show", "dev", "dlbz-w0h"],
+                                 capture_output=True, text=True).stdout
+        assert "rate 5Mbit" in classes
+        inside = subprocess.run([*topo.workers[1].prefix, "tc", "class", "show", "dev",
+                                 "dlbz-w1n"], capture_output=True, text=True).stdout
+        assert "rate 5Mbit" in inside
+        # the worker reaches the bridge's address
+        probe = subprocess.run(
+            [*topo.workers[0].prefix, "python3", "-c",
+             "import socket; s = socket.socket(); s.settimeout(2); "
+             f"print(s.connect_ex(('{topo.host_addr}', 9)))"],
+            capture_output=True, text=True)
+        assert probe.stdout.strip() in ("111", "0")  # refused (nothing listens): reachable
+        assert topo.workers[0].counters()["up"] > 0
+    assert netns.namespaces(prefix) == [] and netns.links(prefix) == []
+
+
+@needs_netns
+def test_netns_cleanup_removes_leftovers_by_prefix():
+    prefix = "dlby-"
+    subprocess.run(["ip", "netns", "add", f"{prefix}w0"], check=True)
+    subprocess.run(["ip", "link", "add", f"{prefix}w0h", "type", "veth", "peer", "name",
+                    f"{prefix}w0n"], check=True)
+    try:
+        with pytest.raises(RuntimeError, match="leftovers"):
+            netns.Topology(1, prefix=prefix).__enter__()
+        removed = netns.cleanup(prefix)
+        assert f"netns {prefix}w0" in removed
+        assert netns.namespaces(prefix) == [] and netns.links(prefix) == []
+    finally:
+        netns.cleanup(prefix)
+
+
+@pytest.mark.slow
+def test_quality_two_step_smoke(tmp_path, monkeypatch):
+    """Data-parallel against blocking DiLoCo with int4, 2 steps each, end to end:
+    processes, aggregator, canonical eval, JSON and Markdown."""
+    monkeypatch.setenv("DILOCO_TRACKING", "off")
+    report = bench_quality.main([
+        "--steps", "2", "--sync-every", "2", "--workers", "2", "--modes", "diloco",
+        "--codecs", "int4", "--sweep", "none", "--no-mlflow", "--out", "smoke",
+        "--results-dir", str(tmp_path)])
+    rows = report["results"]["rows"]
+    assert [r["mode"] for r in rows] == ["data-parallel", "diloco"]
+    for r in rows:
+        assert 4.0 < r["eval_loss"] < 6.0  # near ln 256 = 5.55 after 2 steps
+    dp, dl = rows
+    assert dp["gap"] == 0.0
+    # one round of int4 up / int8 down per worker over 2 steps, far below data-parallel
+    assert dl["bytes_per_step"] < dp["bytes_per_step"] / 5
+    saved = json.loads((tmp_path / "smoke.json").read_text())
+    assert saved["results"]["rows"][1]["eval_loss"] == dl["eval_loss"]
+    assert "| DiLoCo (blocking) |" in (tmp_path / "smoke.md").read_text()
+
+
+def test_bandwidth_target():
+    """100x: data-parallel's lowest passing cap (or, when none passes, the estimate)
+    over adaptive eager's."""
+    t = bench_bandwidth.target({"eager": 3e6, "data-parallel": 1e9}, None)
+    assert t["ratio"] == pytest.approx(1e9 / 3e6) and t["met"]
+    t = bench_bandwidth.target({"eager": 3e6, "data-parallel": "not reached"}, 2e9)
+    assert t["ratio"] == pytest.approx(2e9 / 3e6) and t["met"]
+    t = bench_bandwidth.target({"eager": 3e7, "data-parallel": 1e9}, None)
+    assert t["ratio"] == pytest.approx(1e9 / 3e7) and not t["met"]
+    assert not bench_bandwidth.target({"eager": "not reached", "data-parallel": 1e9},
+                                      None)["met"]

@@ -1,0 +1,196 @@
+"""The `diloco` command as a user runs it: the README's main command on the tiny
+recipe (shortened by --set), with Prefect's temporary server and MLflow on SQLite,
+checked by what it leaves in the store and what it prints; `status` and `cancel`
+on that run; and configuration errors, each a clear message with nothing launched."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flows.cli import app
+
+DILOCO = str(Path(sys.executable).parent / "diloco")
+
+# The tiny recipe, shortened: a micro model, 24 steps, a part of the corpus.
+SHORT = [
+    "--set", "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
+    "--set", "data.seq_len=32", "--set", "data.batch_size=8", "--set", "train.steps=24",
+    "--set", "train.eval_every=0", "--set", "train.eval_batches=2", "--set", "sync.sync_every=8",
+    "--set", "sync.fragments=2", "--set", "sync.overlap=1", "--set", "optim.warmup_steps=4",
+    "--set", "optim.lr=0.01", "--set", "train.checkpoint_every=8",
+    "--set", 'data.sources=["builtin:shakespeare/tragedies/*"]',
+]
+
+
+def clean_env(tmp: Path, **extra: str) -> dict[str, str]:
+    """No Prefect server configured (the embedded default), a PREFECT_HOME of our own."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PREFECT_", "MLFLOW_", "DILOCO_", "AWS_"))}
+    env.update(PREFECT_HOME=str(tmp / "prefect-home"), COLUMNS="120", **extra)
+    return env
+
+
+def diloco(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300):
+    return subprocess.run([DILOCO, *args], cwd=cwd, env=env, text=True, capture_output=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def main_run(tmp_path_factory):
+    """`diloco run` with the tiny recipe shortened: what it printed and where."""
+    cwd = tmp_path_factory.mktemp("user")
+    out = diloco(["run", *SHORT], cwd, clean_env(cwd))
+    return cwd, out
+
+
+@pytest.mark.slow
+def test_main_command(main_run):
+    cwd, out = main_run
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    runs = sorted((cwd / "runs").iterdir())
+    assert len(runs) == 1 and runs[0].name.startswith("tiny-")
+    run = runs[0]
+    # what it prints: progress, the figures, where to look
+    text = out.stdout
+    assert f"{run.name} finished in" in text
+    for worker in ("region-a", "region-b"):
+        assert worker in text
+    assert "24/24" in text and "canonical model: eval loss" in text
+    assert "participation 100%" in text
+    assert f"store    runs/{run.name}" in text
+    assert f"diloco status {run.name}" in text
+    assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in text
+    assert "Traceback" not in out.stderr
+    # what it leaves in the store
+    manifest = json.loads((run / "run.json").read_text())
+    assert manifest["workers"] == ["region-a", "region-b"] and manifest["total_steps"] == 24
+    status = {n: json.loads((run / "members" / n / "status.json").read_text())
+              for n in ("region-a", "region-b", "aggregator")}
+    assert all(s["state"] == "finished" for s in status.values()), status
+    assert status["region-a"]["step"] == status["region-b"]["step"] == 24
+    agg = status["aggregator"]
+    assert agg["rounds"] == agg["total_rounds"] == sum(manifest["rounds"])
+    assert agg["eval_loss"] < agg["initial_eval_loss"] - 1.0  # a clearly falling loss
+    assert all((run / "workers" / w / "ckpt").is_dir() for w in ("region-a", "region-b"))
+    assert (run / "global").is_dir() and (run / "logs" / "aggregator.log").exists()
+    launcher = json.loads((run / "members" / "launcher.json").read_text())
+    assert launcher["backend"] == "local" and set(launcher["jobs"]) == {
+        "aggregator", "region-a", "region-b"}
+    assert all(job["exit"] == 0 for job in launcher["jobs"].values())
+    assert (cwd / "mlflow.db").exists()
+
+
+@pytest.mark.slow
+def test_status_and_cancel_of_a_finished_run(main_run):
+    cwd, out = main_run
+    assert out.returncode == 0
+    name = next((cwd / "runs").iterdir()).name
+    env = clean_env(cwd)
+    status = diloco(["status", name], cwd, env, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert "region-b" in status.stdout and "finished" in status.stdout
+    assert "24/24" in status.stdout and "rounds" in status.stdout
+    as_json = json.loads(diloco(["status", name, "--json"], cwd, env, timeout=60).stdout)
+    assert as_json["aggregator"]["state"] == "finished"
+    cancel = diloco(["cancel", name, "--timeout", "10"], cwd, env, timeout=60)
+    assert cancel.returncode == 0, cancel.stderr
+    assert "region-a finished" in cancel.stdout
+    assert f"diloco resume {name}" in cancel.stdout
+    # resume withdraws the request and finds nothing left to do
+    resumed = diloco(["resume", name], cwd, env, timeout=120)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "finished" in resumed.stdout
+    assert not (cwd / "runs" / name / "control" / "cancel.json").exists()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def in_process(tmp_path, monkeypatch):
+    """The command in this process (fast): a clean environment, cwd = tmp_path."""
+    for key in list(os.environ):
+        if key.startswith(("PREFECT_", "MLFLOW_", "DILOCO_", "AWS_")):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+    monkeypatch.chdir(tmp_path)
+    before = dict(os.environ)
+    yield CliRunner()
+    for key in set(os.environ) - set(before):  # what the command set for itself
+        del os.environ[key]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--set", "train.stepz=5"], "train: unknown field(s) stepz; allowed: steps"),
+    (["--set", "train.steps=-1"], "train.steps: Input should be greater than or equal to 1"),
+    (["--set", "sync.fragments=7"], "sync"),
+    (["no-such-recipe"], "config 'no-such-recipe' is neither a file nor a recipe; "
+                         "recipes: gpu-150m, gpu-1b, small, tiny"),
+    (["--set", "store=s3://diloco-nowhere/runs"], "cannot reach the store "
+                                                  "s3://diloco-nowhere/runs"),
+], ids=["unknown-field", "bad-value", "bad-combination", "unknown-recipe", "unreachable-store"])
+def test_config_errors_launch_nothing(in_process, tmp_path, monkeypatch, args, expected):
+    if "s3://" in args[-1]:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{_closed_port()}")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    result = in_process.invoke(app, ["run", *args])
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.stderr and expected in result.stderr, result.stderr
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert not (tmp_path / "runs").exists()  # no run, no dataset
+    assert not (tmp_path / "prefect-home").exists()  # Prefect never started
+
+
+def test_the_console_script_exits_2_without_a_traceback(tmp_path):
+    out = diloco(["run", "--set", "train.stepz=5"], tmp_path, clean_env(tmp_path), timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("command", ["status", "resume", "cancel"])
+def test_unknown_run_is_named(in_process, command):
+    result = in_process.invoke(app, [command, "nope"])
+    assert result.exit_code == 2
+    assert "no run 'nope'" in result.stderr
+
+
+def test_every_command_has_help():
+    runner = CliRunner()
+    top = runner.invoke(app, ["--help"])
+    assert top.exit_code == 0
+    for command in ("run", "status", "resume", "cancel", "deploy", "prepare-data"):
+        assert command in top.output
+        result = runner.invoke(app, [command, "--help"])
+        assert result.exit_code == 0, (command, result.output)
+        assert "Usage: diloco " + command in result.output.replace("root ", "")
+
+
+def test_deploy_needs_a_server(monkeypatch):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    result = CliRunner().invoke(app, ["deploy"])
+    assert result.exit_code == 2
+    assert "PREFECT_API_URL is not set" in result.output
+
+
+def test_prepare_data(tmp_path):
+    out = tmp_path / "ds"
+    result = CliRunner().invoke(app, ["prepare-data", "builtin:shakespeare/comedies/*",
+                                      "--out", str(out), "--max-bytes", "20000"])
+    assert result.exit_code == 0, result.output
+    assert "20,000 bytes of text" in result.output
+    assert (out / "dataset.json").exists()
+    again = CliRunner().invoke(app, ["prepare-data", "builtin:shakespeare", "--out", str(out)])
+    assert again.exit_code == 2 and "error:" in again.output

@@ -1,0 +1,155 @@
+"""``diloco compare`` on two tiny runs: one DiLoCo, one data-parallel.
+
+Both runs are `fake_run`s (see test_tracking.py) on SQLite. The expected numbers:
+
+- DiLoCo, 60 steps: each worker ends with 6000 bytes up and 3000 down (1000 and
+  500 per merge point, 6 merge points), so 2 * 9000 = 18,000 bytes exchanged;
+  tokens 2 workers * 60 steps * 128 = 15,360; canonical eval 4.5, 4.0, 3.5 at
+  steps 20, 40, 60: final = best = 3.5; wait 0.01 * 60 = 0.6 s per worker.
+- Data-parallel, 40 steps: bytes from the ring all-reduce formula, 2 workers:
+  per step 2 workers * 2 ways * 2 (M-1)/M * 4 bytes * N = 16 N, so 16 * N * 40;
+  eval = mean of the workers' (+0.15 and +0.25 over 5.1 - 0.025 t): 4.8 at step 20,
+  4.3 at 40: final = best = 4.3; tokens 2 * 40 * 128 = 10,240.
+- Reduction of the DiLoCo run against that data-parallel run: 16 N * 40 / 18,000
+  (with N = 3,279,104, the tiny preset: 2,098,626,560 / 18,000 = 116,590.4x). Alone,
+  against the formula for its own 60 steps: 16 N * 60 / 18,000.
+"""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import test_tracking
+import typer
+from mlflow import MlflowClient
+from rich.console import Console
+from test_tracking import fake_run, tiny_config
+from typer.testing import CliRunner
+
+from flows.compare import CompareError, compare, compare_command
+from flows.plots import OVERLAY_PLOTS
+from flows.tracking import model_parameters
+
+mlflow_db_template = test_tracking.mlflow_db_template  # the session fixture, shared
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory: pytest.TempPathFactory,
+            mlflow_db_template: Path) -> Iterator[dict[str, str]]:
+    """A DiLoCo run of 60 steps and a data-parallel run of 40, tracked in SQLite
+    (made once for this module: ``uri`` and each run's id by name)."""
+    root = tmp_path_factory.mktemp("compare")
+    shutil.copy(mlflow_db_template, root / "mlflow.db")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        mp.setenv("MLFLOW_EXPERIMENT_NAME", "diloco-test")
+        mp.setenv("DILOCO_SYSTEM_METRICS", "off")
+        mp.delenv("DILOCO_TRACKING", raising=False)
+        mp.chdir(root)
+        for name, strategy, steps in (("run-diloco", "diloco", 60),
+                                      ("run-dp", "data_parallel", 40)):
+            run = fake_run((root / "store" / name).as_uri(), strategy=strategy, steps=steps,
+                           pace=0.02)
+            assert all(c == {} for c in run["closes"].values()), run["closes"]
+        client = MlflowClient(uri)
+        runs = client.search_runs([client.get_experiment_by_name("diloco-test").experiment_id],
+                                  filter_string="tags.`diloco.role` = 'train'")
+        yield {"uri": uri, **{r.info.run_name: r.info.run_id for r in runs}}
+
+
+def test_compare_two_runs(tracked: dict[str, str], tmp_path: Path) -> None:
+    n = model_parameters(tiny_config())
+    assert n == 3_279_104  # the tiny preset, as in the module docstring
+    out = tmp_path / "cmp"
+    console = Console(record=True, width=250)
+    # one by name, one by run id
+    result = compare(["run-diloco", tracked["run-dp"]], tracking_uri=tracked["uri"],
+                     out_dir=out, log=True, console=console)
+    diloco, dp = result.rows
+    assert (diloco.run, dp.run) == ("run-diloco", "run-dp")
+    assert (diloco.strategy, dp.strategy) == ("diloco", "data_parallel")
+    assert diloco.final_eval_loss == pytest.approx(3.5)
+    assert diloco.best_eval_loss == pytest.approx(3.5)
+    assert dp.final_eval_loss == pytest.approx(4.3)
+    assert dp.best_eval_loss == pytest.approx(4.3)
+    assert diloco.tokens == 15_360 and dp.tokens == 10_240
+    assert diloco.bytes_exchanged == 18_000
+    assert diloco.bytes_source == "measured (store)"
+    assert dp.bytes_exchanged == 16 * n * 40 == 2_098_626_560
+    assert dp.bytes_source == "all-reduce formula"
+    assert diloco.reduction_vs_dp == pytest.approx(2_098_626_560 / 18_000)
+    assert diloco.reduction_vs_dp == pytest.approx(116_590.4, abs=0.1)
+    assert diloco.reduction_basis == "vs run run-dp"
+    assert dp.reduction_vs_dp == 1.0
+    assert diloco.wait_s_per_worker == pytest.approx(0.6)
+    assert dp.wait_s_per_worker is None
+    assert diloco.wall_s is not None and 0 < diloco.wall_s < 120
+
+    text = console.export_text()
+    assert "run-diloco" in text and "116,590.4x" in text and "18.00 kB" in text
+
+    with result.csv_path.open() as fh:
+        table = list(csv.DictReader(fh))
+    assert [r["run"] for r in table] == ["run-diloco", "run-dp"]
+    assert float(table[0]["bytes_exchanged"]) == 18_000
+    assert float(table[0]["reduction_vs_dp"]) == pytest.approx(116_590.4, abs=0.1)
+    assert table[1]["wait_s_per_worker"] == ""
+
+    md = result.md_path.read_text()
+    assert md.splitlines()[0].startswith("| run | strategy |")
+    assert "| run-diloco | diloco | streaming | 2 | 3.5000 | 3.5000 | 15,360 | 18.00 kB" in md
+    assert "vs run run-dp" in md
+
+    assert sorted(p.name for p in result.plots) == sorted(OVERLAY_PLOTS)
+    assert all(p.stat().st_size > 10_000 for p in result.plots)
+
+    client = MlflowClient(tracked["uri"])
+    logged = client.get_run(result.comparison_run_id)
+    assert logged.data.tags["diloco.role"] == "compare"
+    names = {f.path for f in client.list_artifacts(result.comparison_run_id)}
+    assert {"compare.csv", "compare.md", *OVERLAY_PLOTS} <= names
+
+
+def test_compare_alone_uses_the_formula(tracked: dict[str, str], tmp_path: Path) -> None:
+    n = model_parameters(tiny_config())
+    result = compare(["tags.`diloco.strategy` = 'diloco'"], tracking_uri=tracked["uri"],
+                     out_dir=tmp_path / "one", formats=("csv",))
+    (row,) = result.rows
+    assert row.run == "run-diloco"
+    assert row.reduction_basis == "all-reduce formula"
+    assert row.reduction_vs_dp == pytest.approx(16 * n * 60 / 18_000)
+    assert result.md_path is None and result.csv_path.exists()
+
+
+def test_compare_filter_finds_both_and_never_children(tracked: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    result = compare(["attributes.run_name LIKE 'run-%'"], tracking_uri=tracked["uri"],
+                     out_dir=tmp_path / "f", formats=())
+    assert sorted(r.run for r in result.rows) == ["run-diloco", "run-dp"]
+
+
+def test_compare_unknown_spec_is_named(tracked: dict[str, str], tmp_path: Path) -> None:
+    with pytest.raises(CompareError, match="'no-such-run' names no tracked run"):
+        compare(["no-such-run"], tracking_uri=tracked["uri"], out_dir=tmp_path / "x")
+    with pytest.raises(CompareError, match="not a valid MLflow filter"):
+        compare(["params.x === 'y'"], tracking_uri=tracked["uri"], out_dir=tmp_path / "x")
+
+
+def test_compare_command(tracked: dict[str, str], tmp_path: Path) -> None:
+    app = typer.Typer()
+    app.command("compare")(compare_command)
+    app.command("noop")(lambda: None)  # more than one command, as in the real CLI
+    out = tmp_path / "cli"
+    res = CliRunner().invoke(app, ["compare", "run-diloco", "run-dp", "--out", str(out),
+                                   "--no-md", "--tracking-uri", tracked["uri"]])
+    assert res.exit_code == 0, res.output
+    assert "run-diloco" in res.output and "reduction" in res.output
+    assert (out / "compare.csv").exists() and not (out / "compare.md").exists()
+    bad = CliRunner().invoke(app, ["compare", "nope", "--out", str(out),
+                                   "--tracking-uri", tracked["uri"]])
+    assert bad.exit_code == 2

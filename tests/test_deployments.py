@@ -1,0 +1,227 @@
+"""Deployments on one machine, as in the cloud but on loopback: a Prefect server,
+`diloco deploy` of infra/prefect.yaml (two process work pools, region-a and
+region-b), a `prefect worker` per pool, and a run of the `train` deployment that
+launches its workers and aggregator through `run_deployment` into those pools."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.deploy import read_deployments, work_pools
+
+try:
+    from prefect_server import PrefectServer
+except ImportError:  # tests imported as a package
+    from tests.prefect_server import PrefectServer
+
+ROOT = Path(__file__).resolve().parent.parent
+DILOCO = str(Path(sys.executable).parent / "diloco")
+PREFECT = str(Path(sys.executable).parent / "prefect")
+
+MICRO = [
+    "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
+    "data.seq_len=32", "data.batch_size=8", "optim.warmup_steps=2", "train.steps=16",
+    "train.eval_every=0", "train.eval_batches=2", "train.log_every=4", "train.threads=1",
+    "train.checkpoint_every=8", "sync.sync_every=8", "sync.fragments=2", "sync.overlap=1",
+]
+
+
+def test_prefect_yaml_declares_a_worker_per_region_sharing_settings():
+    """Two example regions, train with its schedules, the aggregator; the shared
+    settings come from anchors (every worker deployment has the same pull step)."""
+    deployments = {d["name"]: d for d in read_deployments()}
+    assert set(deployments) == {"train", "region-a", "region-b", "aggregator"}
+    assert work_pools(list(deployments.values())) == ["region-a", "region-b"]
+    for region in ("region-a", "region-b"):
+        d = deployments[region]
+        assert d["entrypoint"] == "flows/worker.py:worker"
+        assert d["work_pool"]["name"] == region
+        assert d["pull"] == deployments["train"]["pull"]
+    schedules = {s["slug"]: s for s in deployments["train"]["schedules"]}
+    assert schedules["nightly-continue"]["parameters"] == {"resume_run": "latest",
+                                                           "extra_steps": 600}
+    assert "&pull" in (ROOT / "infra" / "prefect.yaml").read_text()  # an anchor, not copies
+    assert yaml.safe_load((ROOT / "infra" / "prefect.yaml").read_text())["deployments"]
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    """A server with the deployments of infra/prefect.yaml and a worker per pool."""
+    tmp = tmp_path_factory.mktemp("deployments")
+    with PrefectServer(tmp / "prefect") as server:
+        env = {**server.env, "DILOCO_TRACKING": "off"}  # MLflow has its own tests
+        out = subprocess.run([DILOCO, "deploy"], cwd=ROOT, env=env, text=True,
+                             capture_output=True, timeout=180)
+        assert out.returncode == 0, out.stdout + out.stderr
+        extra = {"DILOCO_TRACKING": "off"}
+        with server.worker("region-a", cwd=tmp, env=extra), \
+                server.worker("region-b", cwd=tmp, env=extra):
+            yield server, env, tmp, out.stdout
+
+
+def train_params(store: Path, run_url: str, *extra: str) -> dict:
+    return {"config": "tiny", "backend": "deployments", "run_url": run_url,
+            "overrides": [*MICRO, f"store={store}",
+                          'data.sources=["builtin:shakespeare/tragedies/*"]', *extra]}
+
+
+def worker_logs(server) -> str:
+    return "\n".join(server.logs(f"worker-{p}.log")[-3000:] for p in ("region-a", "region-b"))
+
+
+@pytest.mark.slow
+def test_a_run_through_two_work_pools(deployed):
+    server, env, tmp, deploy_output = deployed
+    assert "created work pools: region-a, region-b" in deploy_output
+    assert "train/train" in deploy_output and "worker/region-b" in deploy_output
+    store = tmp / "runs"
+    run_url = (store / "d1").as_uri()
+    out = subprocess.run(
+        [PREFECT, "deployment", "run", "train/train",
+         "--params", json.dumps(train_params(store, run_url)),
+         "--watch", "--watch-timeout", "400"],
+        cwd=tmp, env=env, text=True, capture_output=True, timeout=450)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + worker_logs(server)
+    assert "Completed" in out.stdout, out.stdout[-3000:] + worker_logs(server)
+
+    # Where each job ran, and a second launch with the same key: no new flow run.
+    check = subprocess.run([sys.executable, "-c", _INSPECT, run_url], env=env, text=True,
+                           capture_output=True, timeout=120, cwd=ROOT)
+    assert check.returncode == 0, check.stderr[-3000:]
+    seen = json.loads(check.stdout.strip().splitlines()[-1])
+    assert seen["pools"] == {"region-a": "region-a", "region-b": "region-b",
+                             "aggregator": "region-a"}
+    assert set(seen["states"].values()) == {"COMPLETED"}
+    assert seen["relaunched_same_key"] is True
+    assert seen["parent"] == "train"
+    status = {n: json.loads((store / "d1" / "members" / n / "status.json").read_text())
+              for n in ("region-a", "region-b", "aggregator")}
+    assert all(s["state"] == "finished" for s in status.values()), status
+    assert status["region-a"]["step"] == 16
+    assert status["aggregator"]["rounds"] == status["aggregator"]["total_rounds"]
+
+
+def _job_processes(flow_run_ids: list[str]) -> list[int]:
+    """PIDs of live processes running one of these flow runs (the process worker
+    gives each its PREFECT__FLOW_RUN_ID)."""
+    wanted = {f"PREFECT__FLOW_RUN_ID={i}".encode() for i in flow_run_ids}
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = set((proc / "environ").read_bytes().split(b"\0"))
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        if environ & wanted and stat.split(") ", 1)[1][0] != "Z":
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.slow
+def test_cancelling_train_cancels_its_jobs(deployed):
+    """Prefect does not cancel run_deployment children of a cancelled flow run: the
+    train flow's on_cancellation hook does, and the jobs checkpoint and stop."""
+    server, env, tmp, _ = deployed
+    store = tmp / "runs"
+    run_url = (store / "d2").as_uri()
+    started = subprocess.run([sys.executable, "-c", _START, json.dumps(
+        train_params(store, run_url, "train.steps=2000", "train.checkpoint_every=20"))],
+        env=env, text=True, capture_output=True, timeout=120, cwd=ROOT)
+    assert started.returncode == 0, started.stderr[-3000:]
+    train_id = started.stdout.strip().splitlines()[-1]
+    status = store / "d2" / "members" / "region-b" / "status.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if status.exists() and json.loads(status.read_text()).get("step", 0) >= 20:
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError("the workers never got going:\n" + worker_logs(server))
+
+    out = subprocess.run([PREFECT, "flow-run", "cancel", train_id], env=env, text=True,
+                         capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    check = subprocess.run([sys.executable, "-c", _WAIT_CANCELLED, train_id, run_url],
+                           env=env, text=True, capture_output=True, timeout=240, cwd=ROOT)
+    assert check.returncode == 0, check.stderr[-3000:] + worker_logs(server)
+    states = json.loads(check.stdout.strip().splitlines()[-1])
+    assert states["train"] == "CANCELLED"
+    assert set(states["jobs"].values()) <= {"CANCELLED", "COMPLETED"}, states
+    assert "CANCELLED" in states["jobs"].values()
+    assert (store / "d2" / "control" / "cancel.json").exists()  # the hook's request
+    ids = list(states["ids"].values())
+    assert len(ids) == 3
+    deadline = time.monotonic() + 60
+    while _job_processes(ids) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not _job_processes(ids), "a job process survived"
+    step = json.loads(status.read_text())["step"]
+    assert 20 <= step < 2000
+    assert json.loads(status.read_text())["state"] in ("cancelled", "interrupted")
+
+
+_START = r"""
+import json, sys
+from prefect.deployments import run_deployment
+run = run_deployment("train/train", parameters=json.loads(sys.argv[1]), timeout=0)
+print(run.id)
+"""
+
+_WAIT_CANCELLED = r"""
+import json, sys, time
+from prefect import get_client
+from flows.control import read_launcher
+from storage.objectstore import ObjectStore
+
+train_id, run_url = sys.argv[1], sys.argv[2]
+final = {"CANCELLED", "COMPLETED", "FAILED", "CRASHED"}
+with get_client(sync_client=True) as client:
+    deadline = time.monotonic() + 200
+    while True:
+        record = read_launcher(ObjectStore(run_url)) or {"jobs": {}}
+        states = {n: client.read_flow_run(j["flow_run"]).state.type.value
+                  for n, j in record["jobs"].items()}
+        train = client.read_flow_run(train_id).state.type.value
+        if train in final and states and set(states.values()) <= final:
+            break
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not cancelled: train {train}, jobs {states}")
+        time.sleep(1)
+ids = {n: j["flow_run"] for n, j in record["jobs"].items()}
+print(json.dumps({"train": train, "jobs": states, "ids": ids}))
+"""
+
+_INSPECT = r"""
+import json, sys
+from prefect import get_client
+from prefect.deployments import run_deployment
+from flows.control import read_launcher
+from storage.objectstore import ObjectStore
+
+record = read_launcher(ObjectStore(sys.argv[1]))
+assert record["backend"] == "deployments", record
+out = {"pools": {}, "states": {}}
+with get_client(sync_client=True) as client:
+    for name, job in record["jobs"].items():
+        run = client.read_flow_run(job["flow_run"])
+        out["pools"][name] = run.work_pool_name
+        out["states"][name] = run.state.type.value
+        parent = client.read_task_run(run.parent_task_run_id) if run.parent_task_run_id else None
+        if parent is not None:
+            out["parent"] = client.read_flow(client.read_flow_run(
+                parent.flow_run_id).flow_id).name
+    name, job = next(iter(record["jobs"].items()))
+    again = run_deployment(job["deployment"], parameters={"run_url": sys.argv[1]}, timeout=0,
+                           idempotency_key=f"{record['key']}:{name}", as_subflow=False)
+    out["relaunched_same_key"] = str(again.id) == job["flow_run"]
+print(json.dumps(out))
+"""

@@ -1,0 +1,256 @@
+"""The train job without Prefect: `run_train` with the local launcher, real worker
+and aggregator processes on a local store. Cancelling mid-run leaves no process
+and a consistent store, and `resume` continues the run; a failed job is named and
+relaunched; a continuation starts from the old run's canonical model. The micro
+model of the worker tests keeps each run to a few tens of seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.run import latest_global, load_canonical, load_initial, plan_for
+from flows.control import CANCEL_KEY, cancel_request, read_launcher, request_cancel
+from flows.jobs import blocked_in
+from flows.launchers import LocalLauncher
+from flows.report import build_report, participation
+from flows.runs import RunNotFound, new_run_url, open_run, resolve_run
+from flows.train import JobFailed, continuation, create, latest_run, run_train
+from storage.checkpoints import read_checkpoint
+from workers import checkpoint
+from workers.config import load_config
+from workers.data import prepare_data
+from workers.model import build_model
+from workers.status import read_all
+
+MICRO = [
+    "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
+    "data.seq_len=32", "data.batch_size=8", "optim.warmup_steps=5", "optim.lr=0.01",
+    "train.eval_every=0", "train.eval_batches=2", "train.log_every=1", "train.threads=1",
+    "sync.sync_every=8", "sync.fragments=2", "sync.overlap=1",
+]
+
+
+@pytest.fixture(autouse=True)
+def no_tracking(monkeypatch):
+    """MLflow is tested in test_tracking.py; here it would only cost time."""
+    monkeypatch.setenv("DILOCO_TRACKING", "off")
+
+
+@pytest.fixture(scope="module")
+def data_url(tmp_path_factory) -> str:
+    url = str(tmp_path_factory.mktemp("data") / "shakespeare")
+    prepare_data(["builtin:shakespeare/tragedies/*"], url, max_bytes=200_000)
+    return url
+
+
+def micro(data_url: str, store: Path, *extra: str):
+    return load_config("tiny", [*MICRO, f"data.dataset={data_url}", f"store={store}", *extra])
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead: it only waits to be reaped
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ", 1)[1].startswith("Z"))
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def steps(url: str) -> dict[str, int]:
+    ex = open_run(url)
+    return {w: (s or {}).get("step", 0) for w, s in read_all(ex.store, ex.manifest.workers).items()}
+
+
+class Background:
+    """run_train in a thread; its result or exception afterwards."""
+
+    def __init__(self, **kwargs):
+        self.result, self.error = None, None
+        self.thread = threading.Thread(target=self._run, kwargs=kwargs, daemon=True)
+        self.thread.start()
+
+    def _run(self, **kwargs):
+        try:
+            self.result = run_train(**kwargs)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the test
+            self.error = exc
+
+    def join(self, timeout: float):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "run_train did not return"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def test_cancel_mid_run_then_resume(data_url, tmp_path):
+    """Kill -9 the aggregator (it is relaunched and resumes from the store), cancel
+    through the store mid-run: every process ends, the checkpoints are committed and
+    readable, and resume finishes the run from them."""
+    cfg = micro(data_url, tmp_path, "train.steps=120", "train.checkpoint_every=10")
+    url = str(tmp_path / f"{cfg.name}-20260101-120000")
+    launcher = LocalLauncher()
+    bg = Background(config=cfg, run_url=url, launcher=launcher, poll_s=0.3, stop_grace_s=45)
+
+    wait_for(lambda: "aggregator" in launcher.procs and min(steps(url).values()) >= 20, 90,
+             "step 20")
+    first = launcher.procs["aggregator"]
+    first.kill()  # SIGKILL: no checkpoint, no goodbye
+    wait_for(lambda: launcher.procs["aggregator"] is not first, 30, "the aggregator relaunched")
+    wait_for(lambda: min(steps(url).values()) >= 40, 90, "step 40")
+    store = open_run(url).store
+    request_cancel(store, reason="test")
+    report = bg.join(120)
+
+    assert report["state"] == "cancelled"
+    assert "cancelled by" in report["message"]
+    record = read_launcher(store)
+    assert record["backend"] == "local"
+    pids = [job["pid"] for job in record["jobs"].values()] + [first.pid]
+    assert not [p for p in pids if alive(p)], "a job process survived the cancel"
+    statuses = read_all(store, ["region-a", "region-b", "aggregator"])
+    assert {s["state"] for s in statuses.values()} <= {"cancelled", "interrupted"}, statuses
+    stopped_at = {w: statuses[w]["step"] for w in ("region-a", "region-b")}
+    assert all(40 <= s < 120 for s in stopped_at.values()), stopped_at
+
+    # Consistent: each worker's newest checkpoint loads (checksums verified) at the
+    # step it stopped at, and every committed canonical checkpoint reads back.
+    ex = open_run(url)
+    for w, step in stopped_at.items():
+        saved_step, state = checkpoint.load(ex.store, w)
+        assert saved_step == step
+        assert state["tokens"] == step * 8 * 32
+    for p in range(len(ex.manifest.fragments)):
+        r, key = latest_global(ex, p)
+        assert r >= 1
+        read_checkpoint(ex.store, key)
+    assert not list(tmp_path.rglob("*~tmp~*")), "a half-written object was left behind"
+
+    report = run_train(None, url, launcher=LocalLauncher(), resume=True, poll_s=0.3)
+    assert report["state"] == "finished"
+    assert cancel_request(ex.store) is None
+    assert ex.store.list("control/cancelled"), "the withdrawn request is kept"
+    statuses = read_all(ex.store, ["region-a", "region-b", "aggregator"])
+    assert all(s["state"] == "finished" for s in statuses.values()), statuses
+    assert statuses["region-a"]["step"] == 120
+    g = report["global"]
+    assert g["rounds"] == g["total_rounds"] == sum(ex.manifest.rounds)
+    assert g["participation"] == 1.0  # counted across the aggregator's restart
+    # a kill between a round's checkpoint and the status write loses one count
+    assert all(g["total_rounds"] - 1 <= n <= g["total_rounds"]
+               for n in g["rounds_by_worker"].values()), g
+    # the canonical model improved on its initial parameters
+    assert statuses["aggregator"]["eval_loss"] < statuses["aggregator"]["initial_eval_loss"] - 1
+
+    # A continuation (what the nightly schedule does) starts from the canonical model.
+    assert latest_run(str(tmp_path), cfg.name) == url  # what resume_run="latest" picks
+    child_cfg = continuation(url, ["optim.warmup_steps=0"], extra_steps=8)
+    assert child_cfg.parent_run == url and child_cfg.train.steps == 8
+    assert child_cfg.train.seed == cfg.train.seed + 1
+    assert child_cfg.data.dataset == data_url
+    child = create(child_cfg, str(tmp_path / "c2"), init_from=url)
+    model = build_model(cfg.model_config_resolved, seed=123)
+    load_canonical(ex, plan_for(model, cfg.sync), model)
+    plan = plan_for(model, cfg.sync)
+    for p, init in enumerate(load_initial(child, len(plan))):
+        assert torch.equal(init, plan.gather(model, p))
+
+
+def test_a_failed_job_is_relaunched_then_named(data_url, tmp_path):
+    """A job that keeps failing is relaunched once, then the run fails with its name
+    and the end of its output; the other jobs are stopped."""
+
+    class Flaky(LocalLauncher):
+        def command(self, run_url, name):
+            if name == "region-b":
+                return [sys.executable, "-c", "import sys; print('boom: no GPU here'); "
+                        "sys.exit(3)"]
+            return super().command(run_url, name)
+
+    cfg = micro(data_url, tmp_path, "train.steps=400")
+    url = str(tmp_path / "f1")
+    launcher = Flaky()
+    with pytest.raises(JobFailed) as failed:
+        run_train(cfg, url, launcher=launcher, poll_s=0.3, stop_grace_s=30, restarts=1)
+    message = str(failed.value)
+    assert "region-b failed" in message
+    assert "boom: no GPU here" in message and "region-b.log" in message
+    assert f"diloco resume {url}" in message
+    assert (tmp_path / "f1" / "logs" / "region-b.log").read_text().count("boom") == 2
+    assert all(p.poll() is not None for p in launcher.procs.values())
+    assert failed.value.report["state"] == "failed"
+
+
+def test_a_worker_blocked_on_a_mean_still_stops(data_url, tmp_path, monkeypatch):
+    """region-a alone: its first merge waits for region-b's contribution, which
+    never comes. Asked to stop, it gives up after its patience, without a new
+    checkpoint, and says so; it resumes from its last periodic one."""
+    import flows.worker as worker_job  # noqa: PLC0415
+
+    monkeypatch.setattr(worker_job, "BLOCKED_PATIENCE_S", 2.0)
+    cfg = micro(data_url, tmp_path, "train.steps=40", "train.checkpoint_every=2")
+    url = str(tmp_path / "b1")
+    create(cfg, url)
+    stop = threading.Event()
+    out = {}
+    job = threading.Thread(target=lambda: out.update(
+        worker_job.run_worker_job(url, "region-a", stop=stop)), daemon=True)
+    job.start()
+    store = open_run(url).store
+    try:
+        wait_for(lambda: blocked_in(job, "_wait", os.path.join("diloco", "replica.py")), 60,
+                 "region-a waiting for its first mean")
+    finally:
+        stop.set()
+        job.join(30)
+    assert not job.is_alive()
+    assert out["state"] == "interrupted"
+    saved = checkpoint.latest_step(store, "region-a")
+    assert saved and out["steps"] == saved  # the checkpoint before the merge it waited for
+    status = read_all(store, ["region-a"])["region-a"]
+    assert status["state"] == "interrupted"
+    assert f"resumes from step {saved}" in status["note"]
+
+
+def test_run_urls(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("tiny", ["name=exp"])
+    first = new_run_url(cfg)
+    assert first.startswith(str(tmp_path / "runs" / "exp-"))
+    Path(first).mkdir(parents=True)
+    assert new_run_url(cfg).startswith(first)  # the same second: -2
+    (tmp_path / "runs" / "r1").mkdir()
+    (tmp_path / "runs" / "r1" / "run.json").write_text("{}")
+    assert resolve_run("r1") == str(tmp_path / "runs" / "r1")
+    assert resolve_run("s3://bucket/runs/r1") == "s3://bucket/runs/r1"
+    with pytest.raises(RunNotFound, match="runs under runs/: r1"):
+        resolve_run("r2")
+
+
+def test_report_of_a_run_that_has_not_started(data_url, tmp_path):
+    cfg = micro(data_url, tmp_path, "train.steps=16")
+    ex = create(cfg, str(tmp_path / "n1"))
+    report = build_report(ex, run_url=str(tmp_path / "n1"), state="failed", wall_seconds=1.0)
+    assert [w["state"] for w in report["workers"]] == ["not started", "not started"]
+    assert report["global"]["rounds"] == 0
+    assert participation({}, ["region-a", "region-b"])["committed_rounds"] == 0
+    json.dumps(report)  # the flow's result and the MLflow summary are JSON
+    assert not ex.store.exists(CANCEL_KEY)

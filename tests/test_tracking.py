@@ -1,0 +1,555 @@
+"""MLflow tracking: parent and child runs, metric histories, artifacts, outages.
+
+A "tiny run" here is synthetic: the hooks of the train job, two workers and the
+aggregator are driven in-process with made-up metrics (`fake_run`), each through
+its own `MlflowHooks`, as the separate jobs would. The numbers are chosen so that
+every expected value below can be checked by hand:
+
+- 60 inner steps, metrics every 10 steps, eval at 20 and 40 and at the end (60).
+- H = 20, P = 2: a merge point every s = H/P = 10 steps; merge point k (1..6)
+  belongs to fragment (k-1) % 2, round (k-1) // 2, and is the aggregator's MLflow
+  step k-1 (= r*P + p). The aggregator evaluates after fragment 1 (k = 2, 4, 6,
+  inner steps 20, 40, 60).
+- A worker sends 1000 bytes and receives 500 per merge point: at step t it has
+  sent 100*t and received 50*t bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow import MlflowClient
+
+from flows.hooks import Hooks, make_hooks
+from flows.plots import RUN_PLOTS
+from flows.tracking import TRACKING_KEY, MlflowHooks, hooks_for
+from storage.objectstore import ObjectStore
+from workers.config import load_config
+
+try:
+    from mlflow_server import MlflowServer
+except ImportError:  # tests imported as a package
+    from tests.mlflow_server import MlflowServer
+
+WORKERS = ("region-a", "region-b")
+STEPS = 60
+UP_PER_MERGE, DOWN_PER_MERGE = 1000, 500
+
+
+def tiny_config(strategy: str = "diloco", steps: int = STEPS) -> dict[str, Any]:
+    cfg = load_config(None, [
+        f"train.steps={steps}", "train.eval_every=20", "train.log_every=10",
+        f"train.strategy={strategy}", "sync.sync_every=20", "sync.fragments=2",
+        "sync.overlap=0", "data.batch_size=4", "data.seq_len=32",
+    ])
+    return cfg.model_dump(mode="json")
+
+
+def worker_loss(worker: str, step: int, strategy: str) -> float:
+    return 5.0 - 0.02 * step + (0.1 if worker == "region-b" else 0.0) + (
+        0.05 if strategy == "data_parallel" else 0.0)
+
+
+def eval_loss(step: int, strategy: str) -> float:
+    """Canonical eval loss: 4.5 at step 20, 4.0 at 40, 3.5 at 60 (DP 0.1 higher)."""
+    return 5.0 - 0.025 * step + (0.1 if strategy == "data_parallel" else 0.0)
+
+
+def worker_eval(worker: str, step: int, strategy: str) -> float:
+    """A replica is a little behind the canonical model (region-b a little more)."""
+    return eval_loss(step, strategy) + (0.15 if worker == "region-a" else 0.25)
+
+
+def fake_run(
+    run_url: str,
+    *,
+    strategy: str = "diloco",
+    storage_options: dict | None = None,
+    steps: int = STEPS,
+    between: Any = None,
+    close_timeout: float = 30.0,
+    pace: float = 0.0,
+) -> dict[str, Any]:
+    """Drive the hooks of a tiny run: train job, two workers, aggregator. Returns
+    the hooks and how long each hook call took. ``between(step)`` runs after each
+    logging step (tests stop a server there)."""
+    cfg = tiny_config(strategy, steps)
+    tokens_per_step = 4 * 32
+    train = make_hooks(run_url, role="train", storage_options=storage_options)
+    train.run_started(cfg, run_url, resumed=False)
+    workers = {w: make_hooks(run_url, role=f"worker:{w}", storage_options=storage_options)
+               for w in WORKERS}
+    agg = make_hooks(run_url, role="aggregator", storage_options=storage_options)
+    calls: list[float] = []
+
+    def call(fn, *args, **kwargs) -> None:
+        t = time.perf_counter()
+        fn(*args, **kwargs)
+        calls.append(time.perf_counter() - t)
+
+    for w, hooks in workers.items():
+        call(hooks.worker_started, w, {"host": "test", "island": 1, "resumed_from": None})
+    for step in range(10, steps + 1, 10):
+        for w, hooks in workers.items():
+            m = {"worker": w, "step": step, "loss": worker_loss(w, step, strategy),
+                 "lr": 1e-3, "tokens_per_s": 1000.0, "tokens": step * tokens_per_step}
+            if strategy == "diloco":
+                m.update(bytes_up=UP_PER_MERGE * step // 10,
+                         bytes_down=DOWN_PER_MERGE * step // 10,
+                         wait_s=0.01 * step, staleness=0.0, late_means=0)
+            else:  # the baseline's store traffic: the initial parameters only
+                m.update(bytes_up=0, bytes_down=7)
+            call(hooks.worker_metrics, w, m)
+            if step % 20 == 0:
+                call(hooks.worker_metrics, w, {"worker": w, "step": step,
+                                               "eval_loss": worker_eval(w, step, strategy),
+                                               "final": step == steps})
+        if strategy == "diloco":
+            k = step // 10
+            p, r = (k - 1) % 2, (k - 1) // 2
+            report = {"fragment": p, "round": r, "weights": {"region-a": 0.5, "region-b": 0.5},
+                      "rejected": {}, "adopted": False, "seconds": 0.25,
+                      "grad_norm": 1.0 + k, "bytes_up": 100 * k, "bytes_down": 200 * k}
+            if p == 1:
+                report["eval_loss"] = eval_loss(step, strategy)
+                report["perplexity"] = 2.718281828 ** report["eval_loss"]
+            call(agg.aggregator_round, report)
+        if between is not None:
+            between(step)
+        time.sleep(pace)  # spreads the timestamps for the wall-time plots
+    for w, hooks in workers.items():
+        call(hooks.worker_finished, w, {"worker": w, "steps": steps,
+                                        "tokens": steps * tokens_per_step, "seconds": 6.0,
+                                        "final_loss": worker_loss(w, steps, strategy),
+                                        "eval_loss": worker_eval(w, steps, strategy),
+                                        "wait_seconds": 0.6, "bytes_up": 6000,
+                                        "bytes_down": 3000, "resumed_from": None},
+             "finished")
+    closes = {}
+    for name, hooks in [*workers.items(), ("aggregator", agg)]:
+        closes[name] = hooks.close(timeout=close_timeout)
+    call(train.run_finished, {"state": "finished", "run": run_url, "steps": steps})
+    closes["train"] = train.close(timeout=close_timeout)
+    return {"train": train, "workers": workers, "aggregator": agg, "calls": calls,
+            "closes": closes}
+
+
+@pytest.fixture(scope="session")
+def mlflow_db_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An MLflow SQLite database with its schema migrated (about 8 s, once)."""
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def sqlite_tracking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                    mlflow_db_template: Path) -> str:
+    """MLFLOW_TRACKING_URI on a fresh SQLite file in tmp_path (cwd there too)."""
+    db = tmp_path / "mlflow.db"
+    shutil.copy(mlflow_db_template, db)
+    uri = f"sqlite:///{db}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "diloco-test")
+    monkeypatch.setenv("DILOCO_SYSTEM_METRICS", "off")
+    monkeypatch.delenv("DILOCO_TRACKING", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return uri
+
+
+def history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def assert_history(client: MlflowClient, run_id: str, key: str,
+                   expected: list[tuple[int, float]]) -> None:
+    got = history(client, run_id, key)
+    assert [s for s, _ in got] == [s for s, _ in expected], (key, got)
+    assert [v for _, v in got] == pytest.approx([v for _, v in expected]), (key, got)
+
+
+def check_tiny_run(client: MlflowClient, run_url: str, store: ObjectStore) -> dict[str, Any]:
+    """The parent, two worker children and the aggregator child of `fake_run`."""
+    info = json.loads(store.get(TRACKING_KEY))
+    assert info["version"] == 1
+    assert info["workers"] == list(WORKERS)
+    assert info["schedule"] == {"sync_every": 20, "fragments": 2, "overlap": 0,
+                                "total_steps": STEPS, "tokens_per_step": 128}
+    parent = client.get_run(info["parent_run_id"])
+    assert parent.info.run_name == run_url.rsplit("/", 1)[-1]
+    assert parent.info.status == "FINISHED"
+    tags, params = parent.data.tags, parent.data.params
+    assert tags["diloco.role"] == "train"
+    assert tags["diloco.regions"] == "region-a,region-b"
+    assert tags["diloco.mode"] == "streaming"
+    assert tags["diloco.strategy"] == "diloco"
+    assert tags["diloco.code_version"]
+    assert "@" not in tags["diloco.store"]
+    assert params["train.steps"] == str(STEPS)
+    assert params["sync.fragments"] == "2"
+    assert params["workers"] == '["region-a", "region-b"]'
+    assert int(params["model.parameters"]) > 0
+    assert len(params) > 40  # the whole resolved config
+
+    children = client.search_runs(
+        [info["experiment_id"]],
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    by_name = {c.info.run_name: c for c in children}
+    assert sorted(by_name) == ["aggregator", "region-a", "region-b"]
+    for w in WORKERS:
+        run = by_name[w]
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["diloco.worker"] == w
+        assert run.data.tags["diloco.info.host"] == "test"
+        rid = run.info.run_id
+        # log_every 10: steps 10..60; loss 5 - 0.02 t (+0.1 for region-b)
+        off = 0.1 if w == "region-b" else 0.0
+        assert_history(client, rid, "loss",
+                       [(t, 5.0 - 0.02 * t + off) for t in range(10, 61, 10)])
+        assert [s for s, _ in history(client, rid, "eval_loss")] == [20, 40, 60]
+        assert history(client, rid, "bytes_up")[-1] == (60, 6000.0)  # 1000 * 6 merges
+        assert history(client, rid, "bytes_down")[-1] == (60, 3000.0)
+        for key in ("lr", "tokens_per_s", "wait_s", "staleness", "tokens"):
+            assert len(history(client, rid, key)) == 6, key
+        assert history(client, rid, "result/wait_seconds") == [(60, 0.6)]
+    agg = by_name["aggregator"].info.run_id
+    assert by_name["aggregator"].info.status == "FINISHED"
+    # step = r*P + p: merge points k = 1..6 are steps 0..5; fragment 0 at even steps
+    assert history(client, agg, "grad_norm/frag0") == [(0, 2.0), (2, 4.0), (4, 6.0)]
+    assert history(client, agg, "grad_norm/frag1") == [(1, 3.0), (3, 5.0), (5, 7.0)]
+    assert history(client, agg, "participation") == [(k, 2.0) for k in range(6)]
+    assert history(client, agg, "weight/region-a") == [(k, 0.5) for k in range(6)]
+    assert history(client, agg, "round_seconds") == [(k, 0.25) for k in range(6)]
+    assert history(client, agg, "inner_step") == [(k, 10.0 * (k + 1)) for k in range(6)]
+    assert_history(client, agg, "eval_loss", [(1, 4.5), (3, 4.0), (5, 3.5)])
+    assert len(history(client, agg, "perplexity")) == 3
+    assert history(client, agg, "bytes_down")[-1] == (5, 1200.0)
+
+    artifacts = {f.path for f in client.list_artifacts(parent.info.run_id)}
+    assert {"summary.json", "config.yaml", "plots"} <= artifacts
+    plots = {Path(f.path).name: f.file_size
+             for f in client.list_artifacts(parent.info.run_id, "plots")}
+    assert sorted(plots) == sorted(RUN_PLOTS)
+    assert all(size > 10_000 for size in plots.values()), plots
+    summary_path = client.download_artifacts(parent.info.run_id, "summary.json")
+    summary = json.loads(Path(summary_path).read_text())
+    assert summary["steps"] == STEPS
+    results = summary["tracking"]["results"]
+    assert results["final_eval_loss"] == pytest.approx(3.5)
+    assert results["best_eval_loss"] == pytest.approx(3.5)
+    assert results["bytes_exchanged"] == 2 * (6000 + 3000)
+    assert results["tokens"] == 2 * 60 * 128
+    assert summary["tracking"]["not_logged_by_train_job"] == {}
+    # the same numbers as metrics of the parent, for MLflow's own run comparison
+    final = client.get_run(parent.info.run_id).data.metrics
+    assert final["final_eval_loss"] == pytest.approx(3.5)
+    assert final["bytes_exchanged"] == 18000
+    return {"parent": parent, "children": by_name, "info": info}
+
+
+# -- unit-level behaviour ----------------------------------------------------------------
+
+def test_tracking_off_gives_noop_hooks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("DILOCO_TRACKING", "off")
+    hooks = hooks_for(tmp_path.as_uri(), role="train")
+    assert type(hooks) is Hooks
+    assert type(make_hooks(tmp_path.as_uri(), role="aggregator")) is Hooks
+
+
+def test_default_uri_is_sqlite_in_cwd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from flows.tracking import default_tracking_uri, flatten, strip_credentials
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert default_tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert strip_credentials("https://u:secret@host:5000/x") == "https://host:5000/x"
+    assert strip_credentials("s3://KEY:SECRET@bucket/p") == "s3://bucket/p"
+    flat = flatten({"a": {"b": 1, "c": [1, 2], "d": {}}, "e": None, "f": "x" * 7000,
+                    "store": "s3://KEY:SECRET@bucket/runs"})
+    assert flat == {"a.b": "1", "a.c": "[1, 2]", "a.d": "{}", "e": "null",
+                    "f": "x" * 5999 + "…", "store": "s3://bucket/runs"}
+
+
+def test_tiny_run_on_sqlite(sqlite_tracking: str, tmp_path: Path) -> None:
+    """(1) A tiny run: parent and children with their metric histories, params,
+    tags and artifacts; every hook call returns at once."""
+    run_url = (tmp_path / "store" / "run-sqlite").as_uri()
+    t0 = time.perf_counter()
+    run = fake_run(run_url, pace=0.05)
+    assert all(c == {} for c in run["closes"].values()), run["closes"]
+    check_tiny_run(MlflowClient(sqlite_tracking), run_url, ObjectStore(run_url))
+    calls = sorted(run["calls"])
+    assert calls[len(calls) // 2] < 0.001, calls[-5:]
+    assert time.perf_counter() - t0 < 60
+
+
+def test_restarted_jobs_continue_their_runs(sqlite_tracking: str, tmp_path: Path) -> None:
+    """A worker job that died and a train job that resumed continue their runs
+    (found through tracking.json and the child's tags) instead of making new ones."""
+    run_url = (tmp_path / "store" / "run-resume").as_uri()
+    cfg = tiny_config()
+    train = MlflowHooks(run_url, role="train")
+    train.run_started(cfg, run_url, resumed=False)
+    first = MlflowHooks(run_url, role="worker:region-a")
+    first.worker_started("region-a", {"attempt": 1})
+    for step in (10, 20):
+        first.worker_metrics("region-a", {"worker": "region-a", "step": step, "loss": 1.0})
+    assert first.close(timeout=30) == {}  # died without worker_finished
+    assert train.close(timeout=30) == {}
+
+    client = MlflowClient(sqlite_tracking)
+    info = json.loads(ObjectStore(run_url).get(TRACKING_KEY))
+    parent = info["parent_run_id"]
+    kids = client.search_runs([info["experiment_id"]],
+                              filter_string=f"tags.`mlflow.parentRunId` = '{parent}'")
+    assert [k.info.status for k in kids] == ["KILLED"]
+    assert client.get_run(parent).info.status == "KILLED"
+
+    train = MlflowHooks(run_url, role="train")
+    train.run_started(cfg, run_url, resumed=True)  # same params again: accepted
+    second = MlflowHooks(run_url, role="worker:region-a")
+    second.worker_started("region-a", {"attempt": 2, "resumed_from": 20})
+    for step in (30, 40):
+        second.worker_metrics("region-a", {"worker": "region-a", "step": step, "loss": 0.5})
+    second.worker_finished("region-a", {"steps": 40}, "finished")
+    assert second.close(timeout=30) == {}
+    assert train.close(timeout=30) == {}
+
+    kids = client.search_runs([info["experiment_id"]],
+                              filter_string=f"tags.`mlflow.parentRunId` = '{parent}'")
+    assert len(kids) == 1
+    child = kids[0]
+    assert child.info.status == "FINISHED"
+    assert child.data.tags["diloco.info.attempt"] == "2"
+    assert child.data.tags["diloco.info.resumed_from"] == "20"
+    assert [s for s, _ in history(client, child.info.run_id, "loss")] == [10, 20, 30, 40]
+    runs = client.search_runs([info["experiment_id"]],
+                              filter_string="tags.`diloco.role` = 'train'")
+    assert [r.info.run_id for r in runs] == [parent]
+
+
+def test_hook_calls_never_wait_for_mlflow(sqlite_tracking: str, tmp_path: Path) -> None:
+    """Thousands of metrics while the background thread logs: each call is short,
+    and nothing is lost."""
+    run_url = (tmp_path / "store" / "run-many").as_uri()
+    train = MlflowHooks(run_url, role="train")
+    train.run_started(tiny_config(), run_url, resumed=False)
+    worker = MlflowHooks(run_url, role="worker:region-a", flush_every=0.2)
+    durations = []
+    for step in range(1, 3001):
+        t = time.perf_counter()
+        worker.worker_metrics("region-a", {"worker": "region-a", "step": step,
+                                           "loss": 1.0 / step, "lr": 0.1, "tokens": step})
+        durations.append(time.perf_counter() - t)
+    assert worker.close(timeout=30) == {}
+    assert train.close(timeout=30) == {}
+    durations.sort()
+    assert durations[len(durations) // 2] < 100e-6, durations[len(durations) // 2]
+    assert durations[-10] < 0.01, durations[-10:]
+    client = MlflowClient(sqlite_tracking)
+    child = client.search_runs(
+        [client.get_experiment_by_name("diloco-test").experiment_id],
+        filter_string="tags.`diloco.child` = 'worker:region-a'")[0]
+    assert len(client.get_metric_history(child.info.run_id, "loss")) == 3000
+
+
+def test_buffer_bound_drops_oldest_and_counts(sqlite_tracking: str, tmp_path: Path,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """No train job ever writes tracking.json: the worker keeps max_buffer metrics,
+    drops the oldest, and close() says how many were not logged, and why."""
+    run_url = (tmp_path / "store" / "run-orphan").as_uri()
+    hooks = MlflowHooks(run_url, role="worker:region-a", max_buffer=100)
+    for step in range(1, 251):
+        hooks.worker_metrics("region-a", {"worker": "region-a", "step": step, "loss": 1.0})
+    with caplog.at_level(logging.WARNING, logger="flows.tracking"):
+        t = time.perf_counter()
+        lost = hooks.close(timeout=2)
+    assert time.perf_counter() - t < 3
+    assert lost == {"metrics": 250}  # 150 dropped from the buffer, 100 never sent
+    assert "not logged: 250 metrics" in caplog.text
+    assert "tracking.json" in caplog.text
+
+
+# -- against a tracking server ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory, s3_env: dict[str, str],
+                  s3_bucket: str, mlflow_db_template: Path) -> Iterator[MlflowServer]:
+    """One `mlflow server` for this module (starting one takes 10-20 s here)."""
+    workdir = tmp_path_factory.mktemp("mlflow-server")
+    shutil.copy(mlflow_db_template, workdir / "mlflow.db")
+    server = MlflowServer(workdir, s3_env, bucket=s3_bucket, prefix=f"mlflow-{workdir.name}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def server_tracking(mlflow_server: MlflowServer, tmp_path: Path,
+                    monkeypatch: pytest.MonkeyPatch) -> MlflowServer:
+    """The module's server, (re)started if a test stopped it, as the tracking URI."""
+    if not mlflow_server.running:
+        mlflow_server.start()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "diloco-test")
+    monkeypatch.setenv("DILOCO_SYSTEM_METRICS", "off")
+    monkeypatch.delenv("DILOCO_TRACKING", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return mlflow_server
+
+
+@pytest.mark.s3
+def test_tiny_run_on_tracking_server(server_tracking: MlflowServer, s3_endpoint: tuple,
+                                     s3_bucket: str, tmp_path: Path) -> None:
+    """(2) The same run against `mlflow server` on loopback; the run's store and the
+    server's artifacts are both on the loopback S3 server."""
+    endpoint, options = s3_endpoint
+    run_url = f"s3://{s3_bucket}/runs-{tmp_path.name}/run-server"
+    run = fake_run(run_url, storage_options=options)
+    assert all(c == {} for c in run["closes"].values()), run["closes"]
+    client = MlflowClient(server_tracking.url)
+    store = ObjectStore(run_url, storage_options=options)
+    checked = check_tiny_run(client, run_url, store)
+    assert checked["info"]["tracking_uri"] == server_tracking.url
+    # the artifacts are objects in the bucket, under the server's destination
+    bucket = ObjectStore(f"s3://{s3_bucket}/{server_tracking.prefix}", storage_options=options)
+    keys = bucket.list()
+    assert any(k.endswith("plots/eval_loss_vs_step.png") for k in keys), keys
+    assert any(k.endswith("summary.json") for k in keys), keys
+
+
+@pytest.mark.s3
+def test_server_stopped_mid_run_does_not_stop_training(
+    server_tracking: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(3) The server dies after step 30: hook calls keep returning at once, the
+    loop finishes, and each close() is bounded and counts what was not logged."""
+    run_url = (tmp_path / "store" / "run-outage").as_uri()
+    client = MlflowClient(server_tracking.url)
+
+    def kill_server(step: int) -> None:
+        if step != 30:
+            return
+        # let the children exist first, so the outage hits logging, not creation
+        store = ObjectStore(run_url)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if store.exists(TRACKING_KEY):
+                info = json.loads(store.get(TRACKING_KEY))
+                kids = client.search_runs(
+                    [info["experiment_id"]],
+                    filter_string=f"tags.`mlflow.parentRunId` = '{info['parent_run_id']}'")
+                if len(kids) == 3:
+                    break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the child runs were not created within 30 s")
+        server_tracking.stop()
+        stopped_at.append(time.perf_counter())
+
+    stopped_at: list[float] = []
+    with caplog.at_level(logging.WARNING, logger="flows.tracking"):
+        run = fake_run(run_url, between=kill_server, close_timeout=5)
+    after = time.perf_counter() - stopped_at[0]
+    # 4 closes of at most 5 s each, plus the loop itself
+    assert after < 4 * 5 + 5, after
+    calls = sorted(run["calls"])
+    assert calls[-1] < 0.05, calls[-5:]
+    closes = run["closes"]
+    # At least what came after the server died (more if the last flush before it
+    # had not happened yet). A worker: steps 40, 50, 60 with 9 metrics each, eval
+    # at 40 and 60, and 8 numbers of its result: 27 + 2 + 8 = 37. The aggregator:
+    # merge points 4, 5, 6, each 4 + 2 weights + inner_step + bytes up and down,
+    # plus eval loss and perplexity at 4 and 6: 3 * 9 + 2 * 2 = 31.
+    for w in WORKERS:
+        assert closes[w].get("metrics", 0) >= 37, closes
+    assert closes["aggregator"].get("metrics", 0) >= 31, closes
+    # summary.json, config.yaml and the plots
+    assert closes["train"].get("artifacts") == 2 + len(RUN_PLOTS), closes
+    assert "not logged" in caplog.text
+    assert "unreachable" in caplog.text
+
+
+def test_system_metrics_monitor_optional(sqlite_tracking: str, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """With psutil the child run gets system/* metrics (MLflow's SystemMetricsMonitor
+    on a client-created run); without psutil this is skipped and tracking goes on."""
+    pytest.importorskip("psutil")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
+    run_url = (tmp_path / "store" / "run-sys").as_uri()
+    train = MlflowHooks(run_url, role="train", system_metrics=True)
+    train.run_started(tiny_config(), run_url, resumed=False)
+    worker = MlflowHooks(run_url, role="worker:region-a", system_metrics=True)
+    worker.worker_metrics("region-a", {"worker": "region-a", "step": 1, "loss": 1.0})
+    client = MlflowClient(sqlite_tracking)
+    keys: set[str] = set()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(k.startswith("system/") for k in keys):
+        time.sleep(0.5)
+        exp = client.get_experiment_by_name("diloco-test")
+        runs = client.search_runs([exp.experiment_id] if exp else [],
+                                  filter_string="tags.`diloco.child` = 'worker:region-a'")
+        keys = set(runs[0].data.metrics) if runs else set()
+    worker.close(timeout=10)
+    train.close(timeout=10)
+    assert any(k.startswith("system/cpu") for k in keys), keys
+
+
+def test_thread_ends_after_close(sqlite_tracking: str, tmp_path: Path) -> None:
+    run_url = (tmp_path / "store" / "run-threads").as_uri()
+    hooks = MlflowHooks(run_url, role="train")
+    hooks.run_started(tiny_config(), run_url, resumed=False)
+    assert hooks.close(timeout=30) == {}
+    hooks._thread.join(1)
+    assert not hooks._thread.is_alive()
+    assert hooks.close() == {}  # twice is harmless
+
+
+@pytest.mark.slow
+def test_micro_training_run_through_the_train_job(sqlite_tracking: str, tmp_path: Path) -> None:
+    """End to end: `flows.train.run_train` launches the aggregator and two workers
+    as processes (they inherit MLFLOW_TRACKING_URI) and a real 20-step run lands in
+    MLflow: parent, three children, histories, plots. About 50 s on two cores."""
+    from flows.launchers import LocalLauncher
+    from flows.train import run_train
+
+    cfg = load_config("tiny", [
+        "train.steps=20", "train.eval_every=10", "train.log_every=5",
+        "train.checkpoint_every=0", "sync.sync_every=10", "sync.fragments=2",
+        "sync.overlap=0", "data.batch_size=4", "data.seq_len=32",
+    ])
+    run_url = str(tmp_path / "store" / "micro")
+    report = run_train(cfg, run_url, launcher=LocalLauncher(), poll_s=0.5)
+    assert report["state"] == "finished"
+
+    client = MlflowClient(sqlite_tracking)
+    info = json.loads(ObjectStore(run_url).get(TRACKING_KEY))
+    parent = client.get_run(info["parent_run_id"])
+    assert parent.info.run_name == "micro" and parent.info.status == "FINISHED"
+    assert parent.data.params["train.steps"] == "20"
+    kids = {k.info.run_name: k for k in client.search_runs(
+        [info["experiment_id"]],
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
+    assert sorted(kids) == ["aggregator", "region-a", "region-b"]
+    assert all(k.info.status == "FINISHED" for k in kids.values())
+    for w in ("region-a", "region-b"):
+        rid = kids[w].info.run_id
+        assert [s for s, _ in history(client, rid, "loss")] == [5, 10, 15, 20]
+        assert history(client, rid, "eval_loss")[-1][0] == 20
+        assert history(client, rid, "bytes_up")[-1][1] > 0
+    agg = kids["aggregator"].info.run_id
+    # H = 10, P = 2, 20 steps: rounds 0 and 1 of each fragment at merge points 1..4,
+    # and a final round of each (merge alpha 0.5 > 0) at 5 and 6
+    assert [s for s, _ in history(client, agg, "grad_norm/frag0")] == [0, 2, 4]
+    assert [s for s, _ in history(client, agg, "grad_norm/frag1")] == [1, 3, 5]
+    assert history(client, agg, "eval_loss")
+    plots = {Path(f.path).name for f in client.list_artifacts(parent.info.run_id, "plots")}
+    assert plots == set(RUN_PLOTS)
+    final = client.get_run(parent.info.run_id).data.metrics
+    assert final["final_eval_loss"] == pytest.approx(report["global"]["eval_loss"])
