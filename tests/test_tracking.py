@@ -297,6 +297,11 @@ def test_restarted_jobs_continue_their_runs(sqlite_tracking: str, tmp_path: Path
     cfg = tiny_config()
     train = MlflowHooks(run_url, role="train")
     train.run_started(cfg, run_url, resumed=False)
+    # as in a real run, the worker job starts once the train job has created the
+    # parent run (tracking.json); on a busy machine that takes a moment
+    deadline = time.monotonic() + 60
+    while not ObjectStore(run_url).exists(TRACKING_KEY) and time.monotonic() < deadline:
+        time.sleep(0.1)
     first = MlflowHooks(run_url, role="worker:region-a")
     first.worker_started("region-a", {"attempt": 1})
     for step in (10, 20):
