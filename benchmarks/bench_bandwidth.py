@@ -185,8 +185,17 @@ def dp_required_cap(rows: list[dict[str, Any]]) -> float | None:
     return bits / (r["compute_s_per_step"] * (1 / UTIL_TARGET - 1))
 
 
+def cache_key(c: h.Contender, cap: float | None, steps: int, base: list[str]) -> str:
+    """A finished rung's file name: the contender, the cap and the whole recipe."""
+    import hashlib  # noqa: PLC0415
+
+    key = json.dumps([c.name, c.overrides(), cap, steps, base])
+    return f"{c.slug}-{int(cap or 0)}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     caps = parse_caps(args.caps)
+    cache_dir = args.cache_dir
     modes = [m for m in args.modes.split(",") if m]
     data_url = h.ensure_dataset(args.data)
     base = h.reference_overrides(args.steps, data_url)
@@ -201,8 +210,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if c.mode == "data-parallel":
                     n = h.load(c, base).model_config_resolved.num_parameters()
                     steps = dp_steps(cap, args.steps, n, args.workers, args.dp_budget)
+                key = cache_key(c, cap, steps, base)
+                cached = cache_dir / f"{key}.json" if args.resume else None
+                if cached is not None and cached.exists():
+                    rows.append(json.loads(cached.read_text()))
+                    log.info("%s at %s: from the cache", c.name, cap_label(cap))
+                    continue
                 log.info("%s at %s: %d steps", c.name, cap_label(cap), steps)
                 r = bench.rung(c, cap, steps)
+                cache_dir.mkdir(parents=True, exist_ok=True)
+                (cache_dir / f"{key}.json").write_text(json.dumps(r, default=str))
                 log.info("%s at %s: utilisation %.3f (steady %.3f), eval %.4f, %.0f s",
                          c.name, r["cap"], r["utilisation"], r["utilisation_steady"],
                          r["eval_loss"], r["wall_s"])
@@ -304,6 +321,10 @@ def parser() -> argparse.ArgumentParser:
                    help="only render the Markdown of a saved result")
     p.add_argument("--out", default="bandwidth")
     p.add_argument("--no-mlflow", dest="mlflow", action="store_false")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse rungs finished by an earlier, interrupted invocation")
+    p.add_argument("--cache-dir", type=Path,
+                   default=h.default_data_dir() / "cache-bandwidth")
     return p
 
 

@@ -49,6 +49,21 @@ from storage.exchange import Exchange, Prepared, Published
 log = logging.getLogger(__name__)
 
 
+class MergeAbandoned(RuntimeError):
+    """A merge stopped waiting for a round's mean because the caller asked to stop.
+
+    The replica is then between an inner step and that step's merge, a state no
+    checkpoint can describe: the worker should end without saving and resume from
+    its last checkpoint, as after a crash."""
+
+    def __init__(self, worker: str, fragment: int, round: int, waited: float):
+        super().__init__(
+            f"worker {worker}: stopped while waiting {waited:.0f} s for the mean of "
+            f"fragment {fragment} round {round}"
+        )
+        self.fragment, self.round, self.waited = fragment, round, waited
+
+
 @dataclass
 class SyncStats:
     """What the synchroniser did, for metrics and benchmarks."""
@@ -88,7 +103,13 @@ class Synchronizer:
         config: SyncConfig | None = None,
         *,
         initialise: bool = True,
+        stop: threading.Event | None = None,
+        stop_patience_s: float = 10.0,
     ):
+        """``stop``: once set, a merge blocked on a mean waits at most
+        ``stop_patience_s`` more seconds (the mean may still come, if the other
+        workers are running) and then raises `MergeAbandoned`. Without it a worker
+        whose peers have stopped would wait for a mean that never comes."""
         manifest = exchange.manifest
         if worker not in manifest.workers:
             raise ValueError(
@@ -127,6 +148,10 @@ class Synchronizer:
         self._tokens = 0
         self._tokens_at_send = [0] * len(plan)
         self._stop = threading.Event()
+        self._abandon = stop
+        self.stop_patience_s = stop_patience_s
+        #: (fragment, round) of the mean a merge is blocked on, else None
+        self.waiting_for: tuple[int, int] | None = None
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix=f"enc-{worker}")
         self._uploader = ThreadPoolExecutor(2, thread_name_prefix=f"up-{worker}")
         self._poller = ThreadPoolExecutor(len(plan) + 2, thread_name_prefix=f"poll-{worker}")
@@ -243,11 +268,28 @@ class Synchronizer:
         mean = torch.from_numpy(np.asarray(sent.mean.result()[0]))
         return mean - sent.own_weight * self._own(sent)
 
-    def _wait(self, future: Future):
+    def _wait(self, sent: _Sent):
+        """The mean of ``sent``'s round, waiting for it if need be (timed)."""
+        future, p, r = sent.mean, sent.fragment, sent.round
         if future.done():
             return future.result()
         start = time.perf_counter()
-        value = future.result()
+        self.waiting_for = (p, r)
+        stopped_at = None
+        try:
+            while True:
+                try:
+                    value = future.result(timeout=0.25)
+                    break
+                except TimeoutError:
+                    if self._abandon is None or not self._abandon.is_set():
+                        continue
+                    now = time.perf_counter()
+                    stopped_at = stopped_at or now
+                    if now - stopped_at >= self.stop_patience_s:
+                        raise MergeAbandoned(self.worker, p, r, now - start) from None
+        finally:
+            self.waiting_for = None
         waited = time.perf_counter() - start
         self.stats.wait_seconds += waited
         self.stats.waits.append(waited)
@@ -256,7 +298,7 @@ class Synchronizer:
     def _merge(self, p: int, r: int, final: bool = False) -> None:
         sent = self._sent[(p, r)]
         if not self.eager:
-            mean = torch.from_numpy(np.asarray(self._wait(sent.mean)[0]))
+            mean = torch.from_numpy(np.asarray(self._wait(sent)[0]))
             sent.own_applied = sent.correction_applied = True
             grad = mean
         elif self.config.eager_rule == "pure" and not final:
@@ -281,7 +323,7 @@ class Synchronizer:
             others = torch.zeros_like(own)
         else:
             prev = self._sent[(p, r - 1)]
-            mean, commit = self._wait(prev.mean)
+            mean, commit = self._wait(prev)
             w_prev = float(commit["weights"].get(self.worker, 0.0))
             # evaluate in exactly this order (ALGORITHMS.md section 4)
             others = torch.from_numpy(np.asarray(mean)) - w_prev * self._own(prev)
@@ -296,7 +338,7 @@ class Synchronizer:
         if wait:  # the final round: every mean of the fragment, so all is applied once
             for (q, k), s in sorted(self._sent.items()):
                 if q == p and k <= r and not s.correction_applied:
-                    self._wait(s.mean)
+                    self._wait(s)
         pending = sorted(
             k for (q, k), s in self._sent.items()
             if q == p and k <= r and not s.correction_applied and s.mean.done()
@@ -330,7 +372,7 @@ class Synchronizer:
         for (q, _k), sent in sorted(self._sent.items()):
             if q != p or sent.correction_applied:
                 continue
-            self._wait(sent.mean)
+            self._wait(sent)
             part = self._correction(sent)
             grad = part if grad is None else grad + part
             sent.correction_applied = True

@@ -193,14 +193,19 @@ def run_aggregator_job(
         with stop_on_signals(stop, first=lambda: drain(None, SIGNAL_DRAIN_S)):
             agg.run(stop)
             if agg.done:
-                maybe_evaluate(final=True)
+                final = maybe_evaluate(final=True)
+                if final:
+                    hooks.aggregator_eval({**final, "rounds": sum(agg.next_round),
+                                           "final": True})
     except Exception as exc:
         set_state(status_store, NAME, "failed", error=f"{type(exc).__name__}: {exc}")
         raise
     finally:
         for w in watchers:
             w.stop()
-        close_hooks(hooks)
+        not_logged = close_hooks(hooks)
+    if not_logged:
+        last_eval["not_logged"] = not_logged  # into the final status, for the report
     if agg.done:
         state = "finished"
     elif cancelled.is_set() or cancel_request(status_store) is not None:

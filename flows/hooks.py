@@ -36,8 +36,14 @@ class Hooks:
     def run_finished(self, summary: dict[str, Any]) -> None:
         """The train job ended; ``summary`` is its final report."""
 
-    def close(self) -> None:
-        """Flush whatever is buffered (bounded in time)."""
+    def aggregator_eval(self, report: dict[str, Any]) -> None:
+        """The aggregator evaluated the canonical model outside a round report (at the
+        end of the run): eval_loss, perplexity, rounds (applied so far), final."""
+
+    def close(self) -> dict[str, int] | None:
+        """Flush whatever is buffered (bounded in time); returns what was not logged
+        (counts by kind), if anything."""
+        return None
 
 
 def make_hooks(run_url: str, *, role: str, storage_options: dict | None = None) -> Hooks:

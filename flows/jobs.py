@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -43,11 +42,25 @@ def job_hooks(run_url: str, role: str, storage_options: dict | None) -> Hooks:
         return Hooks()
 
 
-def close_hooks(hooks: Hooks) -> None:
+def close_hooks(hooks: Hooks) -> dict[str, int]:
+    """Flush the tracking hooks; returns what was not logged (by kind), if anything."""
     try:
-        hooks.close()
+        return dict(hooks.close() or {})
     except Exception as exc:  # noqa: BLE001
         log.warning("tracking: could not flush: %s", exc)
+        return {"flush": 1}
+
+
+def record_not_logged(store: ObjectStore, name: str, counts: dict[str, int]) -> None:
+    """Put a job's not-logged tracking counts in its status, where the train job's
+    report and ``diloco run`` find them (the job may run in another region)."""
+    if not counts:
+        return
+    try:
+        current = read_status(store, name) or {}
+        set_state(store, name, current.get("state", "finished"), not_logged=counts)
+    except Exception as exc:  # noqa: BLE001 - best effort
+        log.warning("%s: could not record the not-logged counts: %s", name, exc)
 
 
 @contextmanager
@@ -79,17 +92,6 @@ def stop_on_signals(stop: threading.Event,
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-
-
-def blocked_in(thread: threading.Thread, function: str, filename: str) -> bool:
-    """True if ``thread`` is inside ``function`` of a file ending in ``filename``."""
-    frame = sys._current_frames().get(thread.ident or -1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == function and code.co_filename.endswith(filename):
-            return True
-        frame = frame.f_back
-    return False
 
 
 def set_state(store: ObjectStore, name: str, state: str, **fields: Any) -> None:

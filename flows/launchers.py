@@ -266,15 +266,20 @@ class DeploymentLauncher:
         return out
 
     def stop(self, names: list[str], grace: float) -> None:
+        """Cancelling: each flow run's Prefect worker stops its process (SIGTERM, then
+        SIGKILL after its own grace period). This waits at most ``grace`` seconds,
+        and less than the 30 s Prefect gives this flow's own process when it is
+        the one being cancelled."""
         cancel_flow_runs([self.flow_runs[n] for n in names if n in self.flow_runs],
                          "the run was cancelled")
-        deadline = time.monotonic() + grace
+        wait = min(grace, 20.0)
+        deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             states = self.poll()
             if all(states.get(n) != "running" for n in names):
                 return
             time.sleep(1.0)
-        log.warning("flow runs still not stopped after %.0f s: %s", grace,
+        log.warning("flow runs still not stopped after %.0f s: %s", wait,
                     [n for n, s in self.poll().items() if s == "running" and n in names])
 
     def record(self) -> dict[str, Any]:

@@ -130,6 +130,12 @@ def print_report(console: Console, report: dict[str, Any], *,
     console.print(canonical_line(report, initial_eval))
     if report.get("message"):
         console.print(report["message"])
+    lost = report.get("not_logged") or {}
+    if lost:
+        what = "; ".join(f"{party}: " + ", ".join(f"{v} {k}" for k, v in sorted(c.items()))
+                         for party, c in sorted(lost.items()))
+        console.print(f"[yellow]MLflow did not get everything[/] (training was not "
+                      f"affected): not logged: {what}", highlight=False)
     console.print()
     for label, value in where:
         console.print(f"  {label:<8} {value}")

@@ -11,9 +11,10 @@ import math
 from typing import Any
 
 from storage.exchange import Exchange
-from workers.status import read_all
+from workers.status import read_all, read_status
 
 AGGREGATOR = "aggregator"
+TRAIN = "train"  # the train job's status: only its not-logged tracking counts
 
 #: Per-worker columns of the final table: (key in the report, title).
 WORKER_COLUMNS = [
@@ -71,9 +72,14 @@ def build_report(exchange: Exchange, *, run_url: str, state: str, wall_seconds: 
         })
     agg = snap["aggregator"]
     eval_loss = agg.get("eval_loss")
+    # what each job's MLflow tracking could not log (the train job's own under TRAIN)
+    parties = {**snap["workers"], AGGREGATOR: agg,
+               TRAIN: read_status(exchange.store, TRAIN) or {}}
+    not_logged = {n: s["not_logged"] for n, s in parties.items() if s.get("not_logged")}
     return {
         "run_id": exchange.manifest.run_id, "run_url": run_url, "state": state,
         "message": message, "wall_seconds": wall_seconds, "workers": workers,
+        "not_logged": not_logged,
         "global": {
             "eval_loss": eval_loss,
             "perplexity": math.exp(min(eval_loss, 50.0)) if eval_loss is not None else None,

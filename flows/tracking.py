@@ -407,6 +407,20 @@ class MlflowHooks(Hooks):
         except Exception:  # noqa: BLE001
             log.debug("aggregator_round not tracked", exc_info=True)
 
+    def aggregator_eval(self, report: dict[str, Any]) -> None:
+        """The final evaluation of the canonical model, at the index of the last
+        round applied (where a round report's eval would sit)."""
+        try:
+            ts = int(time.time() * 1000)
+            values = {k: float(report[k]) for k in ("eval_loss", "perplexity")
+                      if _is_number(report.get(k))}
+            if values:
+                values["rounds"] = int(report.get("rounds", 1))
+                self._want("aggregator")
+                self._append([("aggregator", "__eval__", values, ts, None, len(values))])
+        except Exception:  # noqa: BLE001
+            log.debug("aggregator_eval not tracked", exc_info=True)
+
     def run_finished(self, summary: dict[str, Any]) -> None:
         try:
             self._want("parent")
@@ -603,11 +617,19 @@ class MlflowHooks(Hooks):
         becomes the aggregator's metrics at its global round index."""
         out = []
         for _key, name, value, ts, step, _n in items:
-            if name != "__round__":
+            if name == "__round__":
+                out.extend(self._round_metrics(value, ts))
+            elif name == "__eval__":
+                out.extend(self._eval_metrics(value, ts))
+            else:
                 out.append((name, value, ts, step))
-                continue
-            out.extend(self._round_metrics(value, ts))
         return out
+
+    def _eval_metrics(self, values: dict[str, Any], ts: int) -> list[tuple]:
+        """The final evaluation, at the last round's index (whose report already
+        placed ``inner_step`` there)."""
+        k = max(0, int(values.pop("rounds")) - 1)
+        return [(name, v, ts, k) for name, v in values.items()]
 
     def _round_metrics(self, report: dict[str, Any], ts: int) -> list[tuple]:
         """Step = the round's merge point in the whole schedule, r * P + p (unique and

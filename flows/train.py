@@ -36,9 +36,9 @@ from prefect.states import Cancelled
 
 from flows.control import cancel_request, clear_cancel, request_cancel, write_launcher
 from flows.hooks import Hooks
-from flows.jobs import close_hooks, job_hooks
+from flows.jobs import close_hooks, job_hooks, record_not_logged
 from flows.launchers import AGGREGATOR, DeploymentLauncher, Launcher, LocalLauncher
-from flows.report import build_report, fraction_done, markdown, snapshot, table_rows
+from flows.report import TRAIN, build_report, fraction_done, markdown, snapshot, table_rows
 from flows.runs import absolute, is_url, open_run, reach_store
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
@@ -142,7 +142,10 @@ def run_train(
         report = build_report(exchange, run_url=run_url, state=state,
                               wall_seconds=time.monotonic() - start, message=message)
         hooks.run_finished(report)
-        close_hooks(hooks)
+        lost = close_hooks(hooks)
+        if lost:
+            record_not_logged(store, TRAIN, lost)
+            report["not_logged"] = {**report.get("not_logged", {}), TRAIN: lost}
     if state == "failed":
         raise JobFailed(message, report)
     return report

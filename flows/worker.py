@@ -35,10 +35,10 @@ from flows.hooks import Hooks
 from flows.jobs import (
     EXIT_CODES,
     EXIT_USAGE,
-    blocked_in,
     close_hooks,
     job_hooks,
     print_result,
+    record_not_logged,
     set_state,
     stop_on_signals,
 )
@@ -51,7 +51,7 @@ progress_log = logging.getLogger("workers.progress")
 #: After a stop request, how long an island under torchrun gets before SIGKILL.
 TORCHRUN_GRACE_S = 60.0
 #: After a stop request, how long a worker may stay blocked waiting for a mean
-#: before it gives up on a last checkpoint (see `Unblocker`).
+#: before it gives up on a last checkpoint (``Synchronizer(stop_patience_s=...)``).
 BLOCKED_PATIENCE_S = 10.0
 #: After a stop request, how long ``python -m flows.worker`` waits for a step
 #: boundary before it exits without a checkpoint (a worker blocked waiting for the
@@ -98,11 +98,14 @@ def run_worker_job(
     finally:
         for w in watchers:
             w.stop()
-        close_hooks(hooks)
+        not_logged = close_hooks(hooks)
     if out["state"] == "interrupted" and cancel_request(control) is not None:
         out["state"] = "cancelled"  # the launcher's SIGTERM came before our own poll
     if out["state"] == "cancelled":
         set_state(control, worker, "cancelled")
+    record_not_logged(control, worker, not_logged)
+    if not_logged:
+        out["not_logged"] = not_logged
     return out
 
 
@@ -127,7 +130,7 @@ def _in_process(run_url: str, worker: str, storage_options: dict | None,
 
     try:
         loop = WorkerLoop(run_url, worker, storage_options=storage_options, stop=stop,
-                          metrics=_emit(worker, hooks))
+                          metrics=_emit(worker, hooks), stop_patience_s=BLOCKED_PATIENCE_S)
     except Exception as exc:
         status = ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-status")
         set_state(status, worker, "failed", error=f"{type(exc).__name__}: {exc}")
@@ -135,70 +138,22 @@ def _in_process(run_url: str, worker: str, storage_options: dict | None,
         raise
     hooks.worker_started(worker, {"host": socket.gethostname(), "pid": os.getpid(),
                                   "island": 1, "resumed_from": loop.resumed_from})
-    unblock = Unblocker(loop, stop, threading.current_thread())
-    unblock.start()
     try:
         result = loop.run().to_dict()
         state = "finished"
     except Interrupted as exc:
+        # exc.saved is False when it was stopped while blocked on a mean: no new
+        # checkpoint, it resumes from its last periodic one (the loop says so in its
+        # status)
         state = "cancelled" if cancelled.is_set() else "interrupted"
         result = {"worker": worker, "steps": exc.step, "tokens": loop.tokens}
     except Exception as exc:
-        if not unblock.forced:
-            hooks.worker_finished(worker, {"steps": loop.step, "error": str(exc)}, "failed")
-            raise
-        # stopped while blocked on a mean: no new checkpoint, the last one stands
-        state = "cancelled" if cancelled.is_set() else "interrupted"
-        saved = checkpoint_step(loop)
-        result = {"worker": worker, "steps": saved, "tokens": loop.tokens}
-        status = ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-status")
-        set_state(status, worker, state, error=None,
-                  note=f"stopped while waiting for a mean; resumes from step {saved}")
+        hooks.worker_finished(worker, {"steps": loop.step, "error": str(exc)}, "failed")
+        raise
     finally:
-        unblock.done.set()
         loop.close()
     hooks.worker_finished(worker, result, state)
     return {**result, "worker": worker, "state": state}
-
-
-class Unblocker(threading.Thread):
-    """After a stop request, a worker that stays blocked waiting for a mean (one
-    that another stopped worker will never let the aggregator reduce) would wait
-    until it is killed. After ``patience`` seconds blocked there, this closes its
-    synchroniser, so that the loop ends; the worker then resumes from its last
-    periodic checkpoint, as after a crash."""
-
-    def __init__(self, loop: Any, stop: threading.Event, main: threading.Thread,
-                 patience: float | None = None):
-        super().__init__(name="unblock", daemon=True)
-        self.loop, self.stop, self.main = loop, stop, main
-        self.patience = BLOCKED_PATIENCE_S if patience is None else patience
-        self.done = threading.Event()
-        self.forced = False
-
-    def run(self) -> None:
-        while not self.stop.wait(1.0):
-            if self.done.is_set():
-                return
-        blocked_since = None
-        while not self.done.wait(1.0):
-            if not blocked_in(self.main, "_wait", os.path.join("diloco", "replica.py")):
-                blocked_since = None
-                continue
-            blocked_since = blocked_since or time.monotonic()
-            if time.monotonic() - blocked_since >= self.patience and self.loop.sync:
-                log.warning("worker %s: blocked waiting for a mean for %.0f s after the "
-                            "stop request; stopping without a new checkpoint",
-                            self.loop.worker, self.patience)
-                self.forced = True
-                self.loop.sync.close()
-                return
-
-
-def checkpoint_step(loop: Any) -> int:
-    from workers import checkpoint  # noqa: PLC0415
-
-    return checkpoint.latest_step(loop.ckpt_store, loop.worker) or 0
 
 
 def free_port() -> int:

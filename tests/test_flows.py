@@ -18,7 +18,7 @@ import torch
 
 from diloco.run import latest_global, load_canonical, load_initial, plan_for
 from flows.control import CANCEL_KEY, cancel_request, read_launcher, request_cancel
-from flows.jobs import blocked_in
+from flows.hooks import Hooks
 from flows.launchers import LocalLauncher
 from flows.report import build_report, participation
 from flows.runs import RunNotFound, new_run_url, open_run, resolve_run
@@ -29,6 +29,17 @@ from workers.config import load_config
 from workers.data import prepare_data
 from workers.model import build_model
 from workers.status import read_all
+
+
+def blocked_in(thread: threading.Thread, function: str, filename: str) -> bool:
+    """True if ``thread`` is inside ``function`` of a file ending in ``filename``."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == function and frame.f_code.co_filename.endswith(filename):
+            return True
+        frame = frame.f_back
+    return False
+
 
 MICRO = [
     "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
@@ -105,17 +116,17 @@ def test_cancel_mid_run_then_resume(data_url, tmp_path):
     """Kill -9 the aggregator (it is relaunched and resumes from the store), cancel
     through the store mid-run: every process ends, the checkpoints are committed and
     readable, and resume finishes the run from them."""
-    cfg = micro(data_url, tmp_path, "train.steps=120", "train.checkpoint_every=10")
+    cfg = micro(data_url, tmp_path, "train.steps=90", "train.checkpoint_every=10")
     url = str(tmp_path / f"{cfg.name}-20260101-120000")
     launcher = LocalLauncher()
     bg = Background(config=cfg, run_url=url, launcher=launcher, poll_s=0.3, stop_grace_s=45)
 
-    wait_for(lambda: "aggregator" in launcher.procs and min(steps(url).values()) >= 20, 90,
-             "step 20")
+    wait_for(lambda: "aggregator" in launcher.procs and min(steps(url).values()) >= 15, 90,
+             "step 15")
     first = launcher.procs["aggregator"]
     first.kill()  # SIGKILL: no checkpoint, no goodbye
     wait_for(lambda: launcher.procs["aggregator"] is not first, 30, "the aggregator relaunched")
-    wait_for(lambda: min(steps(url).values()) >= 40, 90, "step 40")
+    wait_for(lambda: min(steps(url).values()) >= 30, 90, "step 30")
     store = open_run(url).store
     request_cancel(store, reason="test")
     report = bg.join(120)
@@ -129,7 +140,7 @@ def test_cancel_mid_run_then_resume(data_url, tmp_path):
     statuses = read_all(store, ["region-a", "region-b", "aggregator"])
     assert {s["state"] for s in statuses.values()} <= {"cancelled", "interrupted"}, statuses
     stopped_at = {w: statuses[w]["step"] for w in ("region-a", "region-b")}
-    assert all(40 <= s < 120 for s in stopped_at.values()), stopped_at
+    assert all(30 <= s < 90 for s in stopped_at.values()), stopped_at
 
     # Consistent: each worker's newest checkpoint loads (checksums verified) at the
     # step it stopped at, and every committed canonical checkpoint reads back.
@@ -150,7 +161,7 @@ def test_cancel_mid_run_then_resume(data_url, tmp_path):
     assert ex.store.list("control/cancelled"), "the withdrawn request is kept"
     statuses = read_all(ex.store, ["region-a", "region-b", "aggregator"])
     assert all(s["state"] == "finished" for s in statuses.values()), statuses
-    assert statuses["region-a"]["step"] == 120
+    assert statuses["region-a"]["step"] == 90
     g = report["global"]
     assert g["rounds"] == g["total_rounds"] == sum(ex.manifest.rounds)
     assert g["participation"] == 1.0  # counted across the aggregator's restart
@@ -212,7 +223,8 @@ def test_a_worker_blocked_on_a_mean_still_stops(data_url, tmp_path, monkeypatch)
     stop = threading.Event()
     out = {}
     job = threading.Thread(target=lambda: out.update(
-        worker_job.run_worker_job(url, "region-a", stop=stop)), daemon=True)
+        worker_job.run_worker_job(url, "region-a", stop=stop, hooks=LossyHooks())),
+        daemon=True)
     job.start()
     store = open_run(url).store
     try:
@@ -228,6 +240,43 @@ def test_a_worker_blocked_on_a_mean_still_stops(data_url, tmp_path, monkeypatch)
     status = read_all(store, ["region-a"])["region-a"]
     assert status["state"] == "interrupted"
     assert f"resumes from step {saved}" in status["note"]
+    # what its tracking could not log is in its result and its status, for the report
+    assert out["not_logged"] == status["not_logged"] == {"metrics": 37}
+
+
+class LossyHooks(Hooks):
+    """Tracking hooks whose server was unreachable: close() reports losses."""
+
+    def __init__(self, lost: dict[str, int] | None = None):
+        self.lost = lost or {"metrics": 37}
+
+    def close(self) -> dict[str, int]:
+        return dict(self.lost)
+
+
+def test_the_report_says_what_tracking_did_not_log(data_url, tmp_path):
+    """Each job's not-logged counts (from its status, wherever it ran) reach the
+    train job's report and the figures `diloco run` prints, naming the job."""
+    from rich.console import Console  # noqa: PLC0415
+
+    from flows.jobs import record_not_logged  # noqa: PLC0415
+    from flows.progress import print_report  # noqa: PLC0415
+
+    cfg = micro(data_url, tmp_path)
+    url = str(tmp_path / "nl")
+    exchange = create(cfg, url)
+    report = build_report(exchange, run_url=url, state="finished", wall_seconds=1.0)
+    assert report["not_logged"] == {}
+    record_not_logged(exchange.store, "region-b", {"metrics": 120, "tags": 2})
+    record_not_logged(exchange.store, "aggregator", {})  # nothing lost: nothing written
+    record_not_logged(exchange.store, "train", {"artifacts": 7})
+    report = build_report(exchange, run_url=url, state="finished", wall_seconds=1.0)
+    assert report["not_logged"] == {"region-b": {"metrics": 120, "tags": 2},
+                                    "train": {"artifacts": 7}}
+    console = Console(record=True, width=200)
+    print_report(console, report)
+    text = console.export_text()
+    assert "not logged: region-b: 120 metrics, 2 tags; train: 7 artifacts" in text
 
 
 def test_run_urls(tmp_path, monkeypatch):

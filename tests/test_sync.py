@@ -203,3 +203,101 @@ def test_eager_synchronizer_resumes_exactly_with_late_means_pending():
         assert plain.traces[w].losses == resumed.traces[w].losses
         assert torch.equal(_outer(plain, w), _outer(resumed, w))
         assert resumed.traces[w].sync.stats.late_means == len(late)
+
+
+def _lonely_worker(stop, patience: float):
+    """w0 of a two-worker run, with no w1 and no aggregator: its first merge waits
+    for a mean that never comes unless the test publishes one."""
+    import threading  # noqa: PLC0415
+
+    from diloco.replica import Synchronizer  # noqa: PLC0415
+    from diloco.run import new_run, open_exchange, plan_for  # noqa: PLC0415
+    from storage.objectstore import ObjectStore  # noqa: PLC0415
+
+    cfg = SyncConfig(mode="diloco", sync_every=2, fragments=1)
+    u = url()
+    model = Blocks()
+    new_run(ObjectStore(u), model, cfg, workers=["w0", "w1"], total_steps=4)
+    ex = open_exchange(ObjectStore(u, name="w0"))
+    sync = Synchronizer(model, ex, "w0", plan_for(model, cfg), stop=stop,
+                        stop_patience_s=patience)
+    sync.step(1)
+    outcome: dict = {}
+
+    def second_step():  # the merge of round 0: blocks on the mean
+        try:
+            sync.step(1)
+            outcome["merged"] = True
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = exc
+
+    t = threading.Thread(target=second_step, daemon=True)
+    t.start()
+    return sync, t, outcome, u
+
+
+def _wait_until(cond, timeout=20.0):
+    import time  # noqa: PLC0415
+
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_merge_blocked_on_a_mean_gives_up_after_the_stop_patience():
+    """Asked to stop while its merge waits for a mean nobody will reduce, the worker
+    waits ``stop_patience_s`` more and then raises MergeAbandoned naming the round;
+    the outer parameters are untouched (nothing half-applied)."""
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from diloco.replica import MergeAbandoned  # noqa: PLC0415
+
+    stop = threading.Event()
+    sync, t, outcome, _ = _lonely_worker(stop, patience=0.5)
+    try:
+        _wait_until(lambda: sync.waiting_for == (0, 0))
+        before = sync.outer_params(0).clone()
+        time.sleep(0.6)
+        assert t.is_alive(), "without a stop request the merge keeps waiting"
+        stop.set()
+        started = time.monotonic()
+        t.join(10)
+        assert not t.is_alive()
+        assert 0.4 <= time.monotonic() - started < 5
+        exc = outcome["error"]
+        assert isinstance(exc, MergeAbandoned)
+        assert (exc.fragment, exc.round) == (0, 0) and "fragment 0 round 0" in str(exc)
+        assert sync.waiting_for is None
+        assert torch.equal(sync.outer_params(0), before)
+    finally:
+        sync.close()
+
+
+def test_a_mean_arriving_within_the_stop_patience_is_merged():
+    """The stop request comes, but the mean arrives within the patience: the merge
+    completes normally, so a worker whose peers are still running stops cleanly at the
+    next step boundary."""
+    import threading  # noqa: PLC0415
+
+    from diloco.aggregator import Aggregator  # noqa: PLC0415
+    from diloco.run import open_exchange  # noqa: PLC0415
+    from storage.objectstore import ObjectStore  # noqa: PLC0415
+
+    stop = threading.Event()
+    sync, t, outcome, u = _lonely_worker(stop, patience=30.0)
+    try:
+        _wait_until(lambda: sync.waiting_for == (0, 0))
+        stop.set()
+        # w1 contributes a zero delta and an aggregator reduces the round
+        ex1 = open_exchange(ObjectStore(u, name="w1"))
+        ex1.publish_delta(0, 0, "w1", torch.zeros_like(sync.outer_params(0)).numpy(),
+                          tokens=1)
+        agg = Aggregator(open_exchange(ObjectStore(u, name="agg")))
+        _wait_until(lambda: agg.poll_once() or sync.waiting_for is None, timeout=30)
+        t.join(30)
+        assert outcome == {"merged": True}
+        assert sync.stats.rounds_merged == 1
+    finally:
+        sync.close()

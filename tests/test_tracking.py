@@ -117,10 +117,14 @@ def fake_run(
             report = {"fragment": p, "round": r, "weights": {"region-a": 0.5, "region-b": 0.5},
                       "rejected": {}, "adopted": False, "seconds": 0.25,
                       "grad_norm": 1.0 + k, "bytes_up": 100 * k, "bytes_down": 200 * k}
-            if p == 1:
+            if p == 1 and step != steps:
                 report["eval_loss"] = eval_loss(step, strategy)
                 report["perplexity"] = 2.718281828 ** report["eval_loss"]
             call(agg.aggregator_round, report)
+            if step == steps:  # the aggregator's final evaluation, after the rounds
+                loss = eval_loss(step, strategy)
+                call(agg.aggregator_eval, {"eval_loss": loss, "perplexity": 2.718281828 ** loss,
+                                           "rounds": k, "final": True})
         if between is not None:
             between(step)
         time.sleep(pace)  # spreads the timestamps for the wall-time plots

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from diloco.replica import Synchronizer
+from diloco.replica import MergeAbandoned, Synchronizer
 from diloco.run import load_initial, open_exchange, plan_for
 from diloco.schedule import Schedule
 from storage.objectstore import ObjectStore
@@ -48,11 +48,15 @@ Metrics = Callable[[dict[str, Any]], None]
 
 
 class Interrupted(Exception):
-    """The worker was asked to stop (SIGTERM); its checkpoint is in the store."""
+    """The worker was asked to stop (SIGTERM). ``step`` is the step it resumes from:
+    the checkpoint it saved on the way out, or, when it was stopped while blocked on
+    a mean (``saved`` is False), its last periodic checkpoint."""
 
-    def __init__(self, step: int):
-        super().__init__(f"stopped after step {step}; checkpoint saved")
+    def __init__(self, step: int, saved: bool = True):
+        super().__init__(f"stopped after step {step}; checkpoint saved" if saved else
+                         f"stopped while waiting for a mean; resumes from step {step}")
         self.step = step
+        self.saved = saved
 
 
 @dataclass
@@ -163,6 +167,7 @@ class WorkerLoop:
         metrics: Metrics | None = None,
         stop: threading.Event | None = None,
         group: Group | None = None,
+        stop_patience_s: float = 10.0,
     ):
         # Exchange traffic is what the product reports; checkpoints go through their
         # own client so that their bytes are counted apart.
@@ -190,6 +195,7 @@ class WorkerLoop:
         self.index = manifest.workers.index(worker)
         self.metrics = metrics or (lambda m: None)
         self.stop = stop or threading.Event()
+        self.stop_patience_s = stop_patience_s
         self.device = pick_device(self.cfg)
         if self.cfg.train.threads:
             torch.set_num_threads(self.cfg.train.threads)
@@ -246,7 +252,8 @@ class WorkerLoop:
         saved = checkpoint.load(self.ckpt_store, self.worker)
         if self._uses_sync() and self.group.leader:
             self.sync = Synchronizer(self.model, self.exchange, self.worker, self.plan,
-                                     initialise=saved is None)
+                                     initialise=saved is None, stop=self.stop,
+                                     stop_patience_s=self.stop_patience_s)
         elif self._uses_sync() or self.cfg.train.strategy == "data_parallel":
             # followers and the baseline start from the run's initial parameters too
             for p, v in enumerate(load_initial(self.exchange, len(self.plan))):
@@ -302,6 +309,13 @@ class WorkerLoop:
             return self._run()
         except Interrupted:
             raise
+        except MergeAbandoned as exc:
+            # between an inner step and its merge: nothing consistent to save
+            saved = checkpoint.latest_step(self.ckpt_store, self.worker) or 0
+            log.warning("%s; resumes from step %d", exc, saved)
+            self._status("interrupted", force=True, error=None,
+                         note=f"stopped while waiting for a mean; resumes from step {saved}")
+            raise Interrupted(saved, saved=False) from exc
         except BaseException as exc:
             self._status("failed", force=True, error=f"{type(exc).__name__}: {exc}")
             raise
