@@ -495,6 +495,59 @@ def prepare_data(
     console.print(f"use it with: diloco run --set data.dataset={info.url}")
 
 
+# -- bench -----------------------------------------------------------------------------
+
+BENCHMARKS = ("codecs", "exchange", "quality", "traffic", "bandwidth")
+
+
+def _benchmarks_root() -> Path:
+    """The checkout holding benchmarks/ (it is not part of the installed package)."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "run_all.py").exists():
+        raise fail("diloco bench runs from a source checkout: benchmarks/ was not found "
+                   f"beside {Path(__file__).resolve().parent}")
+    return root
+
+
+@app.command()
+def bench(
+    only: Annotated[str, typer.Option(
+        help=f"comma list of: {', '.join(BENCHMARKS)}")] = ",".join(BENCHMARKS),
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="smoke-test sizes; writes quick-* results, leaves the real ones")] = False,
+    mlflow: Annotated[bool, typer.Option(
+        "--mlflow/--no-mlflow", help="log the contenders' runs to MLflow")] = True,
+    results_dir: Annotated[Path | None, typer.Option(
+        help="where the JSON and Markdown go (default benchmarks/results)")] = None,
+) -> None:
+    """Measure against data-parallel: codecs, exchange latency, quality at equal
+    tokens, traffic, and compute utilisation under capped bandwidth (root).
+
+    Each benchmark runs as its own process, one after the other; each writes JSON
+    and Markdown, and benchmarks/results/summary.md gathers them. A full run takes
+    hours on two cores; --quick checks that everything works in a few minutes."""
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(BENCHMARKS))
+    if unknown or not names:
+        raise fail(f"--only: unknown {', '.join(unknown) or '(empty)'}; allowed: "
+                   f"{', '.join(BENCHMARKS)}")
+    root = _benchmarks_root()
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from benchmarks import run_all  # noqa: PLC0415
+
+    argv = ["--only", ",".join(names)]
+    if quick:
+        argv.append("--quick")
+    if not mlflow:
+        argv.append("--no-mlflow")
+    if results_dir is not None:
+        argv += ["--results-dir", str(results_dir)]
+    code = run_all.main(argv)
+    if code:
+        raise typer.Exit(EXIT_FAILED)
+
+
 # -- compare ---------------------------------------------------------------------------
 
 

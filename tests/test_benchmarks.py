@@ -242,3 +242,24 @@ def test_bandwidth_target():
     assert t["ratio"] == pytest.approx(1e9 / 3e7) and not t["met"]
     assert not bench_bandwidth.target({"eager": "not reached", "data-parallel": 1e9},
                                       None)["met"]
+
+
+def test_diloco_bench_runs_the_chosen_benchmarks(tmp_path):
+    """`diloco bench --quick --only codecs`: the benchmark runs as its own process and
+    its JSON and the summary land in --results-dir; a bad name is refused with the
+    allowed ones, before anything runs."""
+    from typer.testing import CliRunner  # noqa: PLC0415
+
+    from flows.cli import app  # noqa: PLC0415
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["bench", "--only", "codecs", "--quick", "--no-mlflow",
+                              "--results-dir", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    result = json.loads((tmp_path / "quick-codecs.json").read_text())
+    assert result  # the codec table, measured
+    summary = (tmp_path / "quick-summary.md").read_text()
+    assert "## codecs" in summary and "ok" in summary
+    bad = runner.invoke(app, ["bench", "--only", "codecs,speed"])
+    assert bad.exit_code == 2
+    assert "unknown speed" in bad.output and "bandwidth" in bad.output

@@ -303,3 +303,25 @@ def test_report_of_a_run_that_has_not_started(data_url, tmp_path):
     assert participation({}, ["region-a", "region-b"])["committed_rounds"] == 0
     json.dumps(report)  # the flow's result and the MLflow summary are JSON
     assert not ex.store.exists(CANCEL_KEY)
+
+
+def test_worker_islands_of_two_processes_under_torchrun(data_url, tmp_path):
+    """`--nproc 2`: each worker job runs its island under torchrun (two processes
+    averaging gradients, rank 0 exchanging with the store). The run finishes, each
+    worker registered as an island of 2, the aggregator applied every round, and the
+    canonical model is the one both workers hold at the end."""
+    cfg = micro(data_url, tmp_path, "train.steps=16")
+    url = str(tmp_path / "isl")
+    report = run_train(cfg, url, launcher=LocalLauncher(nproc=2), poll_s=0.3)
+    assert report["state"] == "finished", report
+    ex = open_run(url)
+    for w in ("region-a", "region-b"):
+        member = json.loads(ex.store.get(f"members/{w}.json"))
+        assert member["island"] == 2, member
+    assert [w["steps"] for w in report["workers"]] == [16, 16]
+    g = report["global"]
+    assert g["rounds"] == g["total_rounds"] == sum(ex.manifest.rounds) > 0
+    assert g["participation"] == 1.0
+    # the workers' final eval is of the canonical model (streaming ends merged)
+    finals = {w["eval_loss"] for w in report["workers"]}
+    assert len(finals) == 1 and g["eval_loss"] == pytest.approx(finals.pop(), rel=1e-5)
