@@ -76,8 +76,16 @@ class Aggregator:
         config: SyncConfig | None = None,
         fault: Callable[[str, int, int], None] | None = None,
         on_round: Callable[[RoundReport], None] | None = None,
+        keep_checkpoints: int = 0,
     ):
+        """``keep_checkpoints``: round checkpoints of the canonical state kept per
+        fragment (0 keeps all). Each is the fragment's float32 parameters and
+        momentum, so a long run of a large model needs a bound; resuming reads only
+        the newest."""
         layout.check_name("aggregator", name)
+        if keep_checkpoints < 0:
+            raise ValueError(f"keep_checkpoints must be >= 0 (0 keeps all), got {keep_checkpoints}")
+        self.keep_checkpoints = keep_checkpoints
         self.exchange = exchange
         self.manifest = exchange.manifest
         self.name = name
@@ -294,3 +302,9 @@ class Aggregator:
             arrays,
             {"fragment": p, "round": r, "weights": weights, "writer": self.name},
         )
+        old = r - self.keep_checkpoints
+        if self.keep_checkpoints and old >= 0:
+            # the commit first: a half-deleted checkpoint is never found as "newest";
+            # deleting what is already gone (a racing aggregator did it) is fine
+            self.exchange.store.delete(layout.global_commit(p, old))
+            self.exchange.store.delete_prefix(layout.global_state(p, old) + "/")

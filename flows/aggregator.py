@@ -131,7 +131,10 @@ def run_aggregator_job(
         watchers.append(ParentWatch(stop.set))
     try:
         evaluator = CanonicalEval(exchange, run_url, storage_options) if evaluate else None
-        agg = Aggregator(exchange)
+        from workers.config import RunConfig  # noqa: PLC0415 - torch is slow to import
+
+        keep = RunConfig.model_validate(manifest.config).train.keep_checkpoints
+        agg = Aggregator(exchange, keep_checkpoints=keep)
     except Exception as exc:
         set_state(status_store, NAME, "failed", error=f"{type(exc).__name__}: {exc}")
         close_hooks(hooks)

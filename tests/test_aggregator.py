@@ -48,7 +48,8 @@ class Killed(Exception):
     pass
 
 
-def with_kills(u: str, kills: set[tuple[str, int, int]], restarts: list[int]):
+def with_kills(u: str, kills: set[tuple[str, int, int]], restarts: list[int],
+               keep: int = 0):
     """An aggregator thread that dies at the given (stage, fragment, round) points and
     is restarted from the store each time, as a crashed flow run would be."""
 
@@ -61,7 +62,7 @@ def with_kills(u: str, kills: set[tuple[str, int, int]], restarts: list[int]):
                 raise Killed(f"{stage} {p} {r}")
 
         while True:
-            agg = Aggregator(open_exchange(ObjectStore(u)), fault=fault)
+            agg = Aggregator(open_exchange(ObjectStore(u)), fault=fault, keep_checkpoints=keep)
             try:
                 agg.run(stop, 60.0)
                 return agg
@@ -71,14 +72,18 @@ def with_kills(u: str, kills: set[tuple[str, int, int]], restarts: list[int]):
     return aggregate
 
 
-def test_killed_aggregator_resumes_to_the_same_state():
+@pytest.mark.parametrize("keep", [0, 1])
+def test_killed_aggregator_resumes_to_the_same_state(keep):
+    """Killed at five points and restarted from the store, it reaches the bits of an
+    aggregator never killed, whether it keeps every round checkpoint or only the
+    newest (resuming reads only the newest)."""
     reference = train_replicas(url(), Blocks, data, CFG, total_steps=STEPS, inner_lr=0.05)
     u = url()
     restarts: list[int] = []
     kills = {("published", 0, 1), ("stepped", 1, 0), ("checkpointed", 0, 2),
              ("published", 1, 2), ("stepped", 0, 3)}
     killed = train_replicas(u, Blocks, data, CFG, total_steps=STEPS, inner_lr=0.05,
-                            aggregate=with_kills(u, kills, restarts))
+                            aggregate=with_kills(u, kills, restarts, keep=keep))
     assert len(restarts) == len(kills)
     assert state_hash(killed.aggregator) == state_hash(reference.aggregator)
     # a fresh aggregator opened on the finished run loads the same final state
@@ -86,6 +91,37 @@ def test_killed_aggregator_resumes_to_the_same_state():
         reference.aggregator)
     for w in ("w0", "w1"):
         assert killed.traces[w].losses == reference.traces[w].losses
+
+
+def test_the_aggregator_keeps_only_the_newest_round_checkpoints():
+    """keep_checkpoints = 2: each fragment's two newest round checkpoints remain,
+    whole (commit and arrays); older ones are gone, arrays included."""
+    from diloco.run import latest_global  # noqa: PLC0415
+    from storage.checkpoints import read_checkpoint  # noqa: PLC0415
+
+    u = url()
+
+    def aggregate(stop: threading.Event) -> Aggregator:
+        agg = Aggregator(open_exchange(ObjectStore(u)), keep_checkpoints=2)
+        agg.run(stop, 60.0)
+        return agg
+
+    res = train_replicas(u, Blocks, data, CFG, total_steps=STEPS, inner_lr=0.05,
+                         aggregate=aggregate)
+    store = ObjectStore(u)
+    ex = open_exchange(store)
+    for p, rounds in enumerate(ex.manifest.rounds):
+        under = store.list(f"global/frag/{p}")
+        commits = sorted(k for k in under if k.endswith(".json") and k.count("/") == 3)
+        assert commits == [f"global/frag/{p}/r{r:06d}.json" for r in (rounds - 2, rounds - 1)]
+        assert all(k.startswith((f"global/frag/{p}/r{rounds - 2:06d}",
+                                 f"global/frag/{p}/r{rounds - 1:06d}")) for k in under), under
+        r, key = latest_global(ex, p)
+        assert r == rounds - 1
+        arrays, _ = read_checkpoint(store, key)
+        assert torch.equal(torch.from_numpy(arrays["params"]), res.aggregator.canonical(p))
+    with pytest.raises(ValueError, match="keep_checkpoints"):
+        Aggregator(ex, keep_checkpoints=-1)
 
 
 def test_two_aggregators_racing_publish_one_mean_each():

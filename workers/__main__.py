@@ -106,7 +106,10 @@ def _aggregate(args: argparse.Namespace, opts: dict | None) -> int:
         board.update("running", rounds=len(agg.stats.rounds), total_rounds=total,
                      rejected=agg.stats.rejected)
 
-    agg = Aggregator(ex, on_round=on_round)
+    from workers.config import RunConfig  # noqa: PLC0415
+
+    keep = RunConfig.model_validate(ex.manifest.config).train.keep_checkpoints
+    agg = Aggregator(ex, on_round=on_round, keep_checkpoints=keep)
     stats = agg.run(stop)
     board.update("finished" if agg.done else "interrupted", force=True,
                  rounds=len(stats.rounds), total_rounds=total, rejected=stats.rejected)

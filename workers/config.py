@@ -110,6 +110,11 @@ class TrainConfig(_Strict):
         description="data_parallel: the baseline, gradients all-reduced every step",
     )
     threads: int = Field(default=0, ge=0, description="torch threads per worker; 0 = default")
+    keep_checkpoints: int = Field(
+        default=4, ge=0,
+        description="round checkpoints of the canonical model the aggregator keeps per "
+                    "fragment (float32 parameters and momentum each); 0 keeps all",
+    )
 
 
 class RunConfig(_Strict):
