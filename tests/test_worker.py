@@ -273,3 +273,51 @@ def test_sigterm_checkpoints_and_the_worker_resumes(tmp_path, dataset):
     assert resumed["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6)
     for p in range(len(agg_plain.outer)):
         assert torch.equal(agg_plain.canonical(p), agg_resumed.canonical(p))
+
+
+class SlowStore:
+    """An object store whose PUTs take ``delay`` seconds (a saturated slow link)."""
+
+    def __init__(self, base, delay: float):
+        self.base, self.delay = base, delay
+        self.puts: list[dict] = []
+
+    def put(self, key, body):
+        import time  # noqa: PLC0415
+
+        time.sleep(self.delay)
+        self.puts.append(json.loads(body))
+        self.base.put(key, body)
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+
+def test_running_status_writes_never_stall_the_training_loop():
+    """With background writes, a `running` status over a link where a PUT takes
+    0.3 s returns at once (only the newest pending one is written); a final state
+    is written before update() returns and no older `running` status lands after
+    it."""
+    import time  # noqa: PLC0415
+
+    from storage.objectstore import ObjectStore  # noqa: PLC0415
+    from workers.status import StatusBoard, read_status  # noqa: PLC0415
+
+    base = ObjectStore(f"memory://status/{time.time_ns()}")
+    slow = SlowStore(base, 0.3)
+    board = StatusBoard(slow, "w", background=True)
+    t0 = time.perf_counter()
+    for step in range(1, 21):
+        board.update("running", force=True, step=step)
+    assert time.perf_counter() - t0 < 0.2  # 20 updates, none waited for a PUT
+    board.update("finished", force=True, step=20)
+    assert read_status(base, "w")["state"] == "finished"
+    time.sleep(0.7)  # whatever the writer thread still held cannot overwrite it
+    assert read_status(base, "w") == {**read_status(base, "w"), "state": "finished"}
+    assert len(slow.puts) < 20  # coalesced: intermediate ones were never sent
+    assert [p["step"] for p in slow.puts] == sorted(p["step"] for p in slow.puts)
+    # without background writes, every update waits for its PUT (the old behaviour)
+    sync = StatusBoard(SlowStore(base, 0.1), "v")
+    t0 = time.perf_counter()
+    sync.update("running", force=True, step=1)
+    assert time.perf_counter() - t0 >= 0.1

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -30,12 +31,25 @@ def _now() -> str:
 
 
 class StatusBoard:
-    """Writes one party's registration and status; reads everyone's."""
+    """Writes one party's registration and status; reads everyone's.
 
-    def __init__(self, store: ObjectStore, name: str):
+    With ``background=True`` a ``running`` status is handed to a writer thread
+    (only the newest one is kept) and ``update`` returns at once: on a slow link a
+    status PUT queued behind a fragment upload would otherwise stall the training
+    loop for seconds. Any other state (finished, interrupted, ...) is written
+    before ``update`` returns, after any background write in flight, and no older
+    ``running`` status can land after it."""
+
+    def __init__(self, store: ObjectStore, name: str, *, background: bool = False):
         self.store = store
         self.name = name
+        self.background = background
         self._last_write = 0.0
+        self._write_lock = threading.Lock()  # one PUT at a time, in order
+        self._pending: bytes | None = None
+        self._pending_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._writer: threading.Thread | None = None
 
     def register(self, **extra: Any) -> None:
         body = {"name": self.name, "host": socket.gethostname(), "pid": os.getpid(),
@@ -53,11 +67,36 @@ class StatusBoard:
         if not force and now - self._last_write < min_interval:
             return
         self._last_write = now
-        body = {"name": self.name, "state": state, "updated": _now(), **fields}
+        body = json.dumps({"name": self.name, "state": state, "updated": _now(), **fields})
+        if self.background and state == "running":
+            with self._pending_lock:
+                self._pending = body.encode()
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                                name=f"status-{self.name}")
+                self._writer.start()
+            self._wake.set()
+            return
+        with self._write_lock:
+            with self._pending_lock:
+                self._pending = None  # superseded
+            self._put(body.encode())
+
+    def _put(self, body: bytes) -> None:
         try:
-            self.store.put(f"members/{self.name}/status.json", json.dumps(body).encode())
+            self.store.put(f"members/{self.name}/status.json", body)
         except StoreError as exc:
             log.warning("%s: could not write its status: %s", self.name, exc)
+
+    def _write_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._write_lock:
+                with self._pending_lock:
+                    body, self._pending = self._pending, None
+                if body is not None:
+                    self._put(body)
 
 
 def read_status(store: ObjectStore, name: str) -> dict[str, Any] | None:

@@ -181,7 +181,7 @@ class WorkerLoop:
                                       name=f"{worker}-checkpoints")
         self.status = StatusBoard(
             ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-status"),
-            worker,
+            worker, background=True,
         )
         self.exchange = open_exchange(self.store)
         manifest = self.exchange.manifest
