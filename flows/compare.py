@@ -23,6 +23,7 @@ from __future__ import annotations
 import csv
 import logging
 import re
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -318,7 +319,7 @@ def compare_command(
 ) -> None:
     """Compare runs: a table of eval loss, tokens, bytes exchanged (and the reduction
     against data-parallel), wall time and waiting; overlay plots as PNG."""
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 240)  # a file or pipe: no squeezing
     formats = ["table"] + (["csv"] if write_csv_file else []) + (["md"] if write_md_file else [])
     try:
         result = compare(specs, tracking_uri=tracking_uri, out_dir=out, formats=formats,

@@ -494,7 +494,9 @@ def plot_overlay(runs: list[RunCurves], out_dir: Path) -> list[Path]:
     scale, unit = _wall_unit(wall_max)
     written = []
     for x, fname in zip(("step", "tokens", "bytes", "wall"), OVERLAY_PLOTS, strict=True):
-        fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+        # past a few runs the legend goes below the axes, where it can hide no point
+        below = len(canon) > 3
+        fig, ax = plt.subplots(figsize=(8, 5 + (0.22 * len(canon) if below else 0)), dpi=110)
         xs = []
         for i, (run, c) in enumerate(canon):
             if not len(c):
@@ -510,10 +512,13 @@ def plot_overlay(runs: list[RunCurves], out_dir: Path) -> list[Path]:
         if x == "bytes":
             _log_bytes_if_wide(ax, xs)
         ax.set_title(f"eval loss vs {AXES[x].split(' (')[0]}")
-        if xs:
+        if xs and below:
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), fontsize=8,
+                      frameon=False)
+        elif xs:
             ax.legend(loc="best", fontsize=9)
         fig.tight_layout()
-        fig.savefig(out_dir / fname)
+        fig.savefig(out_dir / fname, bbox_inches="tight")
         plt.close(fig)
         written.append(out_dir / fname)
     return written

@@ -153,3 +153,31 @@ def test_compare_command(tracked: dict[str, str], tmp_path: Path) -> None:
     bad = CliRunner().invoke(app, ["compare", "nope", "--out", str(out),
                                    "--tracking-uri", tracked["uri"]])
     assert bad.exit_code == 2
+
+
+def test_many_runs_are_not_squeezed_when_printed_to_a_pipe(monkeypatch) -> None:
+    """Seven runs get a row each. Printed to a file or a pipe (not a terminal), the
+    table must not be cut to 80 columns, where every cell became "…"."""
+    import flows.compare as cmp  # noqa: PLC0415
+
+    rows = [cmp.CompareRow(
+        run=f"streaming-int4-m-4-h-50-run-{i}", run_id=f"{i:032x}", strategy="diloco",
+        mode="streaming", workers=4, final_eval_loss=1.6 + i / 100, best_eval_loss=1.6,
+        tokens=2_457_600, bytes_exchanged=86e6, bytes_source="measured (store)",
+        reduction_vs_dp=295.2, reduction_basis="all-reduce formula", wall_s=217.0,
+        wait_s_per_worker=14.8) for i in range(7)]
+
+    def fake_compare(specs, *, console, **_kwargs):
+        console.print(cmp.rich_table(rows, console.width))
+        return cmp.CompareResult(rows)
+
+    monkeypatch.setattr(cmp, "compare", fake_compare)
+    app = typer.Typer()
+    app.command("compare")(cmp.compare_command)
+    app.command("noop")(lambda: None)
+    res = CliRunner().invoke(app, ["compare", "x", "--no-csv", "--no-md"])
+    assert res.exit_code == 0, res.output
+    assert "…" not in res.output
+    for i in range(7):
+        assert f"streaming-int4-m-4-h-50-run-{i}" in res.output
+    assert "final eval loss" in res.output and "1.6600" in res.output
