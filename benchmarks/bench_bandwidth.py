@@ -98,7 +98,11 @@ class Bench:
 
         cfg = h.load(contender, [*self.base, f"train.steps={steps}"])
         opts = self.server.options()
-        run_url = f"s3://{self.bucket}/{contender.slug}-{uuid.uuid4().hex[:6]}"
+        # the cap is in the name, which names the MLflow run: `diloco compare` tells
+        # the rungs apart ("...-10mbit-...", "...-uncapped-...")
+        cap_slug = "uncapped" if cap is None else cap_label(cap).replace(" ", "").replace(
+            "/s", "").lower()
+        run_url = f"s3://{self.bucket}/{contender.slug}-{cap_slug}-{uuid.uuid4().hex[:6]}"
         create_run(cfg, run_url, storage_options=opts)
         mine = self.topo.workers[: contender.workers]
         counters: dict[str, list[dict[str, int]]] = {}
