@@ -335,12 +335,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     args = parser().parse_args(argv)
     if args.from_json:
-        report = json.loads(args.from_json.read_text())
-        md = markdown(report) + f"\n\nWall time of the whole benchmark: " \
-            f"{report['wall_seconds']:.0f} s.\n"
-        h.write_report(args.out, report, md, args.results_dir)
-        print(md)
-        return report
+        return h.publish(args.out, json.loads(args.from_json.read_text()), markdown,
+                         args.results_dir, saved=True)
     why = netns.available()
     if why:
         print(f"bench_bandwidth skipped: {why}")
@@ -353,15 +349,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                            "workers": args.workers, "caps": args.caps,
                            "dp_budget_s": args.dp_budget, "target": UTIL_TARGET},
               "results": results}
-    md = markdown(report) + f"\n\nWall time of the whole benchmark: {seconds:.0f} s.\n"
-    js, mdp = h.write_report(args.out, report, md, args.results_dir)
-    print(md)
-    print(f"wrote {js} and {mdp}")
-    return report
+    return h.publish(args.out, report, markdown, args.results_dir)
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    for noisy in ("workers", "diloco", "storage", "botocore", "s3fs"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    h.cli_logging("botocore", "s3fs")
     main()

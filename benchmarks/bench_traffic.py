@@ -301,27 +301,17 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
     if args.from_json:
-        report = json.loads(args.from_json.read_text())
-        md = markdown(report) + f"\n\nWall time of the whole benchmark: " \
-            f"{report['wall_seconds']:.0f} s.\n"
-        h.write_report(args.out, report, md, args.results_dir)
-        print(md)
-        return report
+        return h.publish(args.out, json.loads(args.from_json.read_text()), markdown,
+                         args.results_dir, saved=True)
     env = h.environment(argv, "benchmarks.bench_traffic")
     h.stop_on_sigterm()
     results, seconds = h.timed(lambda: run(args))
     report = {"environment": env, "wall_seconds": seconds, "settings": vars(args) | {
         "data": str(args.data)}, "results": results}
-    md = markdown(report) + f"\n\nWall time of the whole benchmark: {seconds:.0f} s.\n"
-    js, mdp = h.write_report(args.out, report, md, args.results_dir)
-    print(md)
-    print(f"wrote {js} and {mdp}")
-    return report
+    return h.publish(args.out, report, markdown, args.results_dir)
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    for noisy in ("workers", "diloco", "storage", "botocore", "s3fs", "mlflow", "alembic"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    h.cli_logging("botocore", "s3fs", "mlflow", "alembic")
     main()
     sys.exit(0)

@@ -268,26 +268,25 @@ def summarise_traffic(snapshot: dict[str, Any]) -> dict[str, Any]:
             row = rounds.setdefault(key, {"requests": 0, "bytes_up": 0, "bytes_down": 0})
             for k in row:
                 row[k] += t[k]
-    payload_up: dict[str, int] = {}
-    for key, size in snapshot.get("objects_up", {}).items():
-        parts = key.split("/")
-        if key.startswith("frag/") and len(parts) > 3 and parts[3] == "delta":
-            name = f"{parts[1]}/{parts[2]}"
-            payload_up[name] = payload_up.get(name, 0) + size
-    payload_down: dict[str, int] = {}
-    for key, size in snapshot.get("objects_down", {}).items():
-        parts = key.split("/")
-        if key.startswith("frag/") and len(parts) > 3 and parts[3] == "mean":
-            name = f"{parts[1]}/{parts[2]}"
-            payload_down[name] = payload_down.get(name, 0) + size
     return {
         "total": {k: snapshot[k] for k in ("requests", "bytes_up", "bytes_down")},
         "exchange": exchange,
         "other": {k: snapshot[k] - exchange[k] for k in exchange},
         "per_round": dict(sorted(rounds.items())),
-        "delta_payload_bytes": dict(sorted(payload_up.items())),
-        "mean_payload_bytes": dict(sorted(payload_down.items())),
+        "delta_payload_bytes": _payloads(snapshot.get("objects_up", {}), "delta"),
+        "mean_payload_bytes": _payloads(snapshot.get("objects_down", {}), "mean"),
     }
+
+
+def _payloads(objects: dict[str, int], kind: str) -> dict[str, int]:
+    """Bytes of the ``frag/{p}/{round}/{kind}...`` objects, per fragment round."""
+    out: dict[str, int] = {}
+    for key, size in objects.items():
+        parts = key.split("/")
+        if key.startswith("frag/") and len(parts) > 3 and parts[3] == kind:
+            name = f"{parts[1]}/{parts[2]}"
+            out[name] = out.get(name, 0) + size
+    return dict(sorted(out.items()))
 
 
 # -- running a contender --------------------------------------------------------------
@@ -557,6 +556,27 @@ def write_report(name: str, report: dict[str, Any], markdown: str,
     js.write_text(json.dumps(report, indent=2, default=str) + "\n")
     md.write_text(markdown.rstrip() + "\n")
     return js, md
+
+
+def publish(name: str, report: dict[str, Any], markdown: Callable[[dict[str, Any]], str],
+            out_dir: Path | None = None, *, saved: bool = False) -> dict[str, Any]:
+    """Render ``report`` with ``markdown`` plus the benchmark's wall time, write
+    ``{name}.json`` and ``{name}.md``, and print the Markdown. ``saved``: the
+    report was read back from a JSON file (``--from-json``), only re-rendered."""
+    md = markdown(report) + \
+        f"\n\nWall time of the whole benchmark: {report['wall_seconds']:.0f} s.\n"
+    js, mdp = write_report(name, report, md, out_dir)
+    print(md)
+    if not saved:
+        print(f"wrote {js} and {mdp}")
+    return report
+
+
+def cli_logging(*noisy: str) -> None:
+    """The benchmarks' command-line logging: INFO, minus the chatty libraries."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for name in ("workers", "diloco", "storage", *noisy):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def md_table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

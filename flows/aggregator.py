@@ -170,9 +170,9 @@ def run_aggregator_job(
                  sum(agg.next_round), total, loss)
         return dict(last_eval)
 
-    def progress(state: str, force: bool = False) -> None:
+    def progress(state: str, force: bool = False, **extra: Any) -> None:
         board.update(state, force=force, rounds=sum(agg.next_round), total_rounds=total,
-                     rejected=agg.stats.rejected, **counted, **last_eval)
+                     rejected=agg.stats.rejected, **counted, **last_eval, **extra)
 
     def on_round(report: RoundReport) -> None:
         present = [w for w in report.weights if w in counted["rounds_by_worker"]]
@@ -207,17 +207,17 @@ def run_aggregator_job(
         for w in watchers:
             w.stop()
         not_logged = close_hooks(hooks)
-    if not_logged:
-        last_eval["not_logged"] = not_logged  # into the final status, for the report
     if agg.done:
         state = "finished"
     elif cancelled.is_set() or cancel_request(status_store) is not None:
         state = "cancelled"
     else:
         state = "interrupted"
-    progress(state, force=True)
+    # the final status also says what tracking could not log, for the train job's report
+    lost = {"not_logged": not_logged} if not_logged else {}
+    progress(state, force=True, **lost)
     return {"state": state, "rounds": sum(agg.next_round), "total_rounds": total,
-            "rejected": agg.stats.rejected, **last_eval}
+            "rejected": agg.stats.rejected, **last_eval, **lost}
 
 
 @flow(name="aggregator", log_prints=True)

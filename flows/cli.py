@@ -274,14 +274,8 @@ def resume(
     from flows.control import cancel_request, clear_cancel, read_launcher  # noqa: PLC0415
     from flows.progress import print_report  # noqa: PLC0415
     from flows.report import build_report, snapshot  # noqa: PLC0415
-    from flows.runs import open_run, reach_store, resolve_run  # noqa: PLC0415
 
-    try:
-        url = resolve_run(run)
-        reach_store(url)
-        exchange = open_run(url)
-    except _user_errors() as exc:
-        raise fail(str(exc)) from None
+    url, exchange = _open_run(run)
     snap = snapshot(exchange)
     parties = [*snap["workers"].values(), snap["aggregator"]]
     alive = _local_pids(read_launcher(exchange.store) or {})
@@ -308,6 +302,19 @@ def resume(
 # -- status and cancel -----------------------------------------------------------------
 
 
+def _open_run(run: str) -> tuple[str, Any]:
+    """A run named on the command line: (its URL, its exchange); a clear error if the
+    name resolves to nothing, the store is unreachable or holds no run."""
+    from flows.runs import open_run, reach_store, resolve_run  # noqa: PLC0415
+
+    try:
+        url = resolve_run(run)
+        reach_store(url)
+        return url, open_run(url)
+    except _user_errors() as exc:
+        raise fail(str(exc)) from None
+
+
 @app.command()
 def status(
     run: Annotated[str, typer.Argument(help="a run URL, or a run's name under runs/")],
@@ -317,14 +324,8 @@ def status(
     from flows.control import cancel_request, read_launcher  # noqa: PLC0415
     from flows.progress import print_status  # noqa: PLC0415
     from flows.report import snapshot  # noqa: PLC0415
-    from flows.runs import open_run, reach_store, resolve_run  # noqa: PLC0415
 
-    try:
-        url = resolve_run(run)
-        reach_store(url)
-        exchange = open_run(url)
-    except _user_errors() as exc:
-        raise fail(str(exc)) from None
+    url, exchange = _open_run(run)
     launcher, cancel = read_launcher(exchange.store), cancel_request(exchange.store)
     if as_json:
         print(json.dumps({"run_url": url, **snapshot(exchange), "launcher": launcher,
@@ -348,14 +349,8 @@ def cancel(
     """
     from flows.control import read_launcher, request_cancel  # noqa: PLC0415
     from flows.report import snapshot  # noqa: PLC0415
-    from flows.runs import open_run, reach_store, resolve_run  # noqa: PLC0415
 
-    try:
-        url = resolve_run(run)
-        reach_store(url)
-        exchange = open_run(url)
-    except _user_errors() as exc:
-        raise fail(str(exc)) from None
+    url, exchange = _open_run(run)
     request = request_cancel(exchange.store, reason)
     console.print(f"cancel requested ({request['requested'][:19]}, by {request['by']})")
     launcher = read_launcher(exchange.store) or {}

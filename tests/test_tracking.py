@@ -357,8 +357,10 @@ def test_hook_calls_never_wait_for_mlflow(sqlite_tracking: str, tmp_path: Path) 
         worker.worker_metrics("region-a", {"worker": "region-a", "step": step,
                                            "loss": 1.0 / step, "lr": 0.1, "tokens": step})
         durations.append(time.perf_counter() - t)
-    assert worker.close(timeout=30) == {}
-    assert train.close(timeout=30) == {}
+    # 6,000 metrics into SQLite take 20 to 40 s on two busy cores: the bound is for
+    # a hung thread, not a speed target
+    assert worker.close(timeout=120) == {}
+    assert train.close(timeout=120) == {}
     durations.sort()
     assert durations[len(durations) // 2] < 100e-6, durations[len(durations) // 2]
     assert durations[-10] < 0.01, durations[-10:]
