@@ -33,7 +33,6 @@ from prefect.states import Cancelled
 from diloco.aggregator import Aggregator, RoundReport
 from diloco.run import open_exchange, plan_for
 from flows.control import CancelWatch, ParentWatch, cancel_request
-from flows.hooks import Hooks
 from flows.jobs import (
     EXIT_CODES,
     close_hooks,
@@ -44,6 +43,7 @@ from flows.jobs import (
 )
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
+from tracking.hooks import Hooks
 from workers.status import StatusBoard, read_all, read_status
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from flows.hooks import Hooks, make_hooks
 from storage.objectstore import ObjectStore
+from tracking.hooks import Hooks
+from tracking.mlflow_hooks import hooks_for
 from workers.status import StatusBoard, read_status
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ EXIT_CODES = {"finished": EXIT_FINISHED, "interrupted": EXIT_STOPPED,
 def job_hooks(run_url: str, role: str, storage_options: dict | None) -> Hooks:
     """The tracking hooks of a job; no-op hooks if they cannot even be built."""
     try:
-        return make_hooks(run_url, role=role, storage_options=storage_options)
+        return hooks_for(run_url, role=role, storage_options=storage_options)
     except Exception as exc:  # noqa: BLE001 - tracking never stops training
         log.warning("%s: tracking is off: %s", role, exc)
         return Hooks()

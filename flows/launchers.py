@@ -144,7 +144,7 @@ class LocalLauncher:
                    if n in self.procs and self.procs[n].poll() is None}
         for name, proc in running.items():
             log.info("stopping %s (pid %d)", name, proc.pid)
-            _signal(proc.pid, signal.SIGTERM)
+            kill_job(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for name, proc in running.items():
             try:
@@ -152,7 +152,7 @@ class LocalLauncher:
             except subprocess.TimeoutExpired:
                 log.warning("%s (pid %d) did not stop within %.0f s; killing it", name,
                             proc.pid, grace)
-                _signal(proc.pid, signal.SIGKILL, group=True)
+                kill_job(proc.pid, signal.SIGKILL, group=True)
                 proc.wait()
 
     def record(self) -> dict[str, Any]:
@@ -169,7 +169,9 @@ class LocalLauncher:
         return f"output in {path}" + (f"; last lines:\n{tail}" if tail else "")
 
 
-def _signal(pid: int, sig: int, group: bool = False) -> None:
+def kill_job(pid: int, sig: int, group: bool = False) -> None:
+    """Send ``sig`` to a job's process (or its whole process group: torchrun and its
+    ranks); a job that is already gone is not an error."""
     with contextlib.suppress(ProcessLookupError):
         (os.killpg if group else os.kill)(pid, sig)
 

@@ -35,14 +35,15 @@ from prefect import flow
 from prefect.states import Cancelled
 
 from flows.control import cancel_request, clear_cancel, request_cancel, write_launcher
-from flows.hooks import Hooks
 from flows.jobs import close_hooks, job_hooks, record_not_logged
 from flows.launchers import AGGREGATOR, DeploymentLauncher, Launcher, LocalLauncher
-from flows.report import TRAIN, build_report, fraction_done, markdown, snapshot, table_rows
-from flows.runs import absolute, is_url, open_run, reach_store
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
+from tracking.hooks import Hooks
 from workers.config import ConfigError, RunConfig, load_config
+from workers.locate import absolute, is_url, open_run, reach_store
+from workers.report import TRAIN, build_report, fraction_done, markdown, snapshot, table_rows
+from workers.runs import continuation, create_run, latest_run
 
 log = logging.getLogger(__name__)
 
@@ -59,24 +60,6 @@ class JobFailed(Exception):
 
 
 # -- the plain job --------------------------------------------------------------------
-
-
-def create(cfg: RunConfig, run_url: str, *, storage_options: dict | None = None,
-           init_from: str | None = None) -> Exchange:
-    """Create the run; with ``init_from``, start from that run's canonical model."""
-    from workers.runs import create_run  # noqa: PLC0415 - torch is slow to import
-
-    model = None
-    if init_from:
-        from diloco.run import load_canonical, plan_for  # noqa: PLC0415
-        from workers.model import build_model  # noqa: PLC0415
-
-        parent = open_run(init_from, storage_options)
-        model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)
-        applied = load_canonical(parent, plan_for(model, cfg.sync), model)
-        log.info("starting from the canonical model of %s (rounds per fragment: %s)",
-                 init_from, applied)
-    return create_run(cfg, run_url, storage_options=storage_options, model=model)
 
 
 def run_train(
@@ -109,8 +92,8 @@ def run_train(
         if cleared:
             log.info("withdrew the cancel request of %s", cleared.get("requested"))
     else:
-        exchange = create(config, run_url, storage_options=storage_options,
-                          init_from=init_from)
+        exchange = create_run(config, run_url, storage_options=storage_options,
+                              init_from=init_from)
     hooks = hooks or job_hooks(run_url, "train", storage_options)
     hooks.run_started(config.model_dump(mode="json"), run_url, resumed=resume)
 
@@ -203,49 +186,6 @@ def _follow(exchange: Exchange, store: ObjectStore, launcher: Launcher, run_url:
                     on_progress(snapshot(exchange))
                 return "finished", ""
         time.sleep(poll_s)
-
-
-# -- continuing a run -----------------------------------------------------------------
-
-
-def latest_run(store: str, name: str, storage_options: dict | None = None) -> str:
-    """The newest run ``<store>/<name>-<time>`` whose aggregator finished."""
-    root = ObjectStore(absolute(store), storage_options=storage_options)
-    pattern = re.compile(rf"^{re.escape(name)}-\d{{8}}-\d{{6}}(-\d+)?$")
-    base = root.fs_path("run.json").rsplit("/", 1)[0]  # the root's path in its filesystem
-    try:
-        entries = root.fs.ls(base, detail=False)
-    except FileNotFoundError:
-        entries = []
-    names = sorted((e.rstrip("/").rsplit("/", 1)[-1] for e in entries), reverse=True)
-    for candidate in (n for n in names if pattern.match(n)):
-        url = f"{root.url.rstrip('/')}/{candidate}"
-        try:
-            snap = snapshot(open_run(url, storage_options))
-        except Exception:  # noqa: BLE001 - not a run, or half-created
-            continue
-        if snap["aggregator"].get("state") == "finished":
-            return url
-    raise ConfigError(f"resume_run=latest: no finished run named {name}-<time> under {store}")
-
-
-def continuation(parent_url: str, overrides: list[str] | None = None,
-                 extra_steps: int | None = None,
-                 storage_options: dict | None = None) -> RunConfig:
-    """The config of a run continuing ``parent_url``: its config, the overrides,
-    ``train.steps = extra_steps``, its dataset, and a new data seed."""
-    parent = open_run(parent_url, storage_options)
-    tree = dict(parent.manifest.config)
-    cfg_parent = RunConfig.model_validate(tree)
-    items = list(overrides or [])
-    if extra_steps is not None:
-        items.append(f"train.steps={int(extra_steps)}")
-    if not any(o.split("=", 1)[0].strip() == "train.seed" for o in items):
-        items.append(f"train.seed={cfg_parent.train.seed + 1}")  # new batches, same data
-    if not any(o.split("=", 1)[0].strip() == "data.dataset" for o in items):
-        items.append(f"data.dataset={cfg_parent.dataset_url(parent_url)}")
-    items.append(f"parent_run={parent_url}")
-    return load_config({k: v for k, v in tree.items() if k != "parent_run"}, items)
 
 
 # -- Prefect --------------------------------------------------------------------------

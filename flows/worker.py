@@ -31,7 +31,6 @@ from prefect import flow
 from prefect.states import Cancelled
 
 from flows.control import CancelWatch, ParentWatch, cancel_request
-from flows.hooks import Hooks
 from flows.jobs import (
     EXIT_CODES,
     EXIT_USAGE,
@@ -43,6 +42,7 @@ from flows.jobs import (
     stop_on_signals,
 )
 from storage.objectstore import ObjectStore
+from tracking.hooks import Hooks
 from workers.status import read_status
 
 log = logging.getLogger(__name__)

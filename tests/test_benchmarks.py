@@ -252,7 +252,7 @@ def test_diloco_bench_runs_the_chosen_benchmarks(tmp_path):
     allowed ones, before anything runs."""
     from typer.testing import CliRunner  # noqa: PLC0415
 
-    from flows.cli import app  # noqa: PLC0415
+    from cli.app import app  # noqa: PLC0415
 
     runner = CliRunner()
     out = runner.invoke(app, ["bench", "--only", "codecs", "--quick", "--no-mlflow",

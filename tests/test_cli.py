@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from cli.app import app
 
 DILOCO = str(Path(sys.executable).parent / "diloco")
 

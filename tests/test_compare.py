@@ -30,9 +30,10 @@ from rich.console import Console
 from test_tracking import fake_run, tiny_config
 from typer.testing import CliRunner
 
-from flows.compare import CompareError, compare, compare_command
-from flows.plots import OVERLAY_PLOTS
-from flows.tracking import model_parameters
+from cli.compare import compare_command, rich_table
+from tracking.compare import CompareError, compare
+from tracking.mlflow_hooks import model_parameters
+from tracking.plots import OVERLAY_PLOTS
 
 mlflow_db_template = test_tracking.mlflow_db_template  # the session fixture, shared
 
@@ -69,7 +70,8 @@ def test_compare_two_runs(tracked: dict[str, str], tmp_path: Path) -> None:
     console = Console(record=True, width=250)
     # one by name, one by run id
     result = compare(["run-diloco", tracked["run-dp"]], tracking_uri=tracked["uri"],
-                     out_dir=out, log=True, console=console)
+                     out_dir=out, log=True)
+    console.print(rich_table(result.rows, console.width))
     diloco, dp = result.rows
     assert (diloco.run, dp.run) == ("run-diloco", "run-dp")
     assert (diloco.strategy, dp.strategy) == ("diloco", "data_parallel")
@@ -158,7 +160,8 @@ def test_compare_command(tracked: dict[str, str], tmp_path: Path) -> None:
 def test_many_runs_are_not_squeezed_when_printed_to_a_pipe(monkeypatch) -> None:
     """Seven runs get a row each. Printed to a file or a pipe (not a terminal), the
     table must not be cut to 80 columns, where every cell became "…"."""
-    import flows.compare as cmp  # noqa: PLC0415
+    import cli.compare as command  # noqa: PLC0415
+    import tracking.compare as cmp  # noqa: PLC0415
 
     rows = [cmp.CompareRow(
         run=f"streaming-int4-m-4-h-50-run-{i}", run_id=f"{i:032x}", strategy="diloco",
@@ -167,13 +170,12 @@ def test_many_runs_are_not_squeezed_when_printed_to_a_pipe(monkeypatch) -> None:
         reduction_vs_dp=295.2, reduction_basis="all-reduce formula", wall_s=217.0,
         wait_s_per_worker=14.8) for i in range(7)]
 
-    def fake_compare(specs, *, console, **_kwargs):
-        console.print(cmp.rich_table(rows, console.width))
+    def fake_compare(specs, **_kwargs):
         return cmp.CompareResult(rows)
 
     monkeypatch.setattr(cmp, "compare", fake_compare)
     app = typer.Typer()
-    app.command("compare")(cmp.compare_command)
+    app.command("compare")(command.compare_command)
     app.command("noop")(lambda: None)
     res = CliRunner().invoke(app, ["compare", "x", "--no-csv", "--no-md"])
     assert res.exit_code == 0, res.output

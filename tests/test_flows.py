@@ -18,16 +18,17 @@ import torch
 
 from diloco.run import latest_global, load_canonical, load_initial, plan_for
 from flows.control import CANCEL_KEY, cancel_request, read_launcher, request_cancel
-from flows.hooks import Hooks
 from flows.launchers import LocalLauncher
-from flows.report import build_report, participation
-from flows.runs import RunNotFound, new_run_url, open_run, resolve_run
-from flows.train import JobFailed, continuation, create, latest_run, run_train
+from flows.train import JobFailed, run_train
 from storage.checkpoints import read_checkpoint
+from tracking.hooks import Hooks
 from workers import checkpoint
 from workers.config import load_config
 from workers.data import prepare_data
+from workers.locate import RunNotFound, new_run_url, open_run, resolve_run
 from workers.model import build_model
+from workers.report import build_report, participation
+from workers.runs import continuation, create_run, latest_run
 from workers.status import read_all
 
 
@@ -177,7 +178,7 @@ def test_cancel_mid_run_then_resume(data_url, tmp_path):
     assert child_cfg.parent_run == url and child_cfg.train.steps == 8
     assert child_cfg.train.seed == cfg.train.seed + 1
     assert child_cfg.data.dataset == data_url
-    child = create(child_cfg, str(tmp_path / "c2"), init_from=url)
+    child = create_run(child_cfg, str(tmp_path / "c2"), init_from=url)
     model = build_model(cfg.model_config_resolved, seed=123)
     load_canonical(ex, plan_for(model, cfg.sync), model)
     plan = plan_for(model, cfg.sync)
@@ -219,7 +220,7 @@ def test_a_worker_blocked_on_a_mean_still_stops(data_url, tmp_path, monkeypatch)
     monkeypatch.setattr(worker_job, "BLOCKED_PATIENCE_S", 2.0)
     cfg = micro(data_url, tmp_path, "train.steps=40", "train.checkpoint_every=2")
     url = str(tmp_path / "b1")
-    create(cfg, url)
+    create_run(cfg, url)
     stop = threading.Event()
     out = {}
     job = threading.Thread(target=lambda: out.update(
@@ -259,12 +260,12 @@ def test_the_report_says_what_tracking_did_not_log(data_url, tmp_path):
     train job's report and the figures `diloco run` prints, naming the job."""
     from rich.console import Console  # noqa: PLC0415
 
+    from cli.progress import print_report  # noqa: PLC0415
     from flows.jobs import record_not_logged  # noqa: PLC0415
-    from flows.progress import print_report  # noqa: PLC0415
 
     cfg = micro(data_url, tmp_path)
     url = str(tmp_path / "nl")
-    exchange = create(cfg, url)
+    exchange = create_run(cfg, url)
     report = build_report(exchange, run_url=url, state="finished", wall_seconds=1.0)
     assert report["not_logged"] == {}
     record_not_logged(exchange.store, "region-b", {"metrics": 120, "tags": 2})
@@ -296,7 +297,7 @@ def test_run_urls(tmp_path, monkeypatch):
 
 def test_report_of_a_run_that_has_not_started(data_url, tmp_path):
     cfg = micro(data_url, tmp_path, "train.steps=16")
-    ex = create(cfg, str(tmp_path / "n1"))
+    ex = create_run(cfg, str(tmp_path / "n1"))
     report = build_report(ex, run_url=str(tmp_path / "n1"), state="failed", wall_seconds=1.0)
     assert [w["state"] for w in report["workers"]] == ["not started", "not started"]
     assert report["global"]["rounds"] == 0

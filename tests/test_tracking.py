@@ -27,10 +27,10 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from flows.hooks import Hooks, make_hooks
-from flows.plots import RUN_PLOTS
-from flows.tracking import TRACKING_KEY, MlflowHooks, hooks_for
 from storage.objectstore import ObjectStore
+from tracking.hooks import Hooks
+from tracking.mlflow_hooks import TRACKING_KEY, MlflowHooks, hooks_for
+from tracking.plots import RUN_PLOTS
 from workers.config import load_config
 
 try:
@@ -82,11 +82,11 @@ def fake_run(
     logging step (tests stop a server there)."""
     cfg = tiny_config(strategy, steps)
     tokens_per_step = 4 * 32
-    train = make_hooks(run_url, role="train", storage_options=storage_options)
+    train = hooks_for(run_url, role="train", storage_options=storage_options)
     train.run_started(cfg, run_url, resumed=False)
-    workers = {w: make_hooks(run_url, role=f"worker:{w}", storage_options=storage_options)
+    workers = {w: hooks_for(run_url, role=f"worker:{w}", storage_options=storage_options)
                for w in WORKERS}
-    agg = make_hooks(run_url, role="aggregator", storage_options=storage_options)
+    agg = hooks_for(run_url, role="aggregator", storage_options=storage_options)
     calls: list[float] = []
 
     def call(fn, *args, **kwargs) -> None:
@@ -264,11 +264,11 @@ def test_tracking_off_gives_noop_hooks(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("DILOCO_TRACKING", "off")
     hooks = hooks_for(tmp_path.as_uri(), role="train")
     assert type(hooks) is Hooks
-    assert type(make_hooks(tmp_path.as_uri(), role="aggregator")) is Hooks
+    assert type(hooks_for(tmp_path.as_uri(), role="aggregator")) is Hooks
 
 
 def test_default_uri_is_sqlite_in_cwd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from flows.tracking import default_tracking_uri, flatten, strip_credentials
+    from tracking.mlflow_hooks import default_tracking_uri, flatten, strip_credentials
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
@@ -379,7 +379,7 @@ def test_buffer_bound_drops_oldest_and_counts(sqlite_tracking: str, tmp_path: Pa
     hooks = MlflowHooks(run_url, role="worker:region-a", max_buffer=100)
     for step in range(1, 251):
         hooks.worker_metrics("region-a", {"worker": "region-a", "step": step, "loss": 1.0})
-    with caplog.at_level(logging.WARNING, logger="flows.tracking"):
+    with caplog.at_level(logging.WARNING, logger="tracking.mlflow_hooks"):
         t = time.perf_counter()
         lost = hooks.close(timeout=2)
     assert time.perf_counter() - t < 3
@@ -465,7 +465,7 @@ def test_server_stopped_mid_run_does_not_stop_training(
         stopped_at.append(time.perf_counter())
 
     stopped_at: list[float] = []
-    with caplog.at_level(logging.WARNING, logger="flows.tracking"):
+    with caplog.at_level(logging.WARNING, logger="tracking.mlflow_hooks"):
         run = fake_run(run_url, between=kill_server, close_timeout=5)
     after = time.perf_counter() - stopped_at[0]
     # 4 closes of at most 5 s each, plus the loop itself

@@ -1,22 +1,30 @@
-"""Creating a training run from a RunConfig: data, model, manifest.
+"""Creating a training run from a RunConfig: data, model, manifest; and continuing one.
 
 The dataset is prepared from ``data.sources`` when it does not exist yet (the
 embedded default reads the installed Shakespeare corpus), the model is built from
 its seed, and the run manifest stores the whole resolved config, so that a worker
 needs nothing but the run's URL to train.
+
+Continuing a run for more steps (what a schedule does) creates a NEW run whose
+initial parameters are the canonical model of the old one (a run's length is fixed
+in its manifest): `continuation` gives its config, `latest_run` finds the newest
+finished run of a name, and ``create_run(init_from=...)`` starts from it.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 
-from diloco.run import new_run, plan_for
+from diloco.run import load_canonical, new_run, plan_for
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
-from workers.config import RunConfig
+from workers.config import ConfigError, RunConfig, load_config
 from workers.data import DatasetMissing, open_dataset, prepare_data
+from workers.locate import absolute, open_run
 from workers.model import Transformer, build_model, describe
+from workers.report import snapshot
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +55,22 @@ def create_run(
     storage_options: dict | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     model: Transformer | None = None,
+    init_from: str | None = None,
 ) -> Exchange:
     """Create the run at ``run_url`` (RunExists if one is there already).
 
-    The initial parameters are those of ``model`` when given (a continuation starts
-    from another run's canonical model), else of a fresh model from ``train.seed``.
+    The initial parameters are those of ``model`` when given, else the canonical
+    model of the run at ``init_from`` (a continuation), else a fresh model from
+    ``train.seed``.
     """
     ensure_dataset(cfg, run_url, storage_options=storage_options, progress=progress)
     if model is None:
         model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)
+        if init_from:
+            parent = open_run(init_from, storage_options)
+            applied = load_canonical(parent, plan_for(model, cfg.sync), model)
+            log.info("starting from the canonical model of %s (rounds per fragment: %s)",
+                     init_from, applied)
     plan = plan_for(model, cfg.sync)
     log.info("model: %s", describe(model))
     for frag in plan.fragments:
@@ -64,3 +79,43 @@ def create_run(
     store = ObjectStore(run_url, storage_options=storage_options)
     return new_run(store, model, cfg.sync, workers=cfg.workers, total_steps=cfg.train.steps,
                    plan=plan, user_config=cfg.model_dump(mode="json"))
+
+
+def latest_run(store: str, name: str, storage_options: dict | None = None) -> str:
+    """The newest run ``<store>/<name>-<time>`` whose aggregator finished."""
+    root = ObjectStore(absolute(store), storage_options=storage_options)
+    pattern = re.compile(rf"^{re.escape(name)}-\d{{8}}-\d{{6}}(-\d+)?$")
+    base = root.fs_path("run.json").rsplit("/", 1)[0]  # the root's path in its filesystem
+    try:
+        entries = root.fs.ls(base, detail=False)
+    except FileNotFoundError:
+        entries = []
+    names = sorted((e.rstrip("/").rsplit("/", 1)[-1] for e in entries), reverse=True)
+    for candidate in (n for n in names if pattern.match(n)):
+        url = f"{root.url.rstrip('/')}/{candidate}"
+        try:
+            snap = snapshot(open_run(url, storage_options))
+        except Exception:  # noqa: BLE001 - not a run, or half-created
+            continue
+        if snap["aggregator"].get("state") == "finished":
+            return url
+    raise ConfigError(f"resume_run=latest: no finished run named {name}-<time> under {store}")
+
+
+def continuation(parent_url: str, overrides: list[str] | None = None,
+                 extra_steps: int | None = None,
+                 storage_options: dict | None = None) -> RunConfig:
+    """The config of a run continuing ``parent_url``: its config, the overrides,
+    ``train.steps = extra_steps``, its dataset, and a new data seed."""
+    parent = open_run(parent_url, storage_options)
+    tree = dict(parent.manifest.config)
+    cfg_parent = RunConfig.model_validate(tree)
+    items = list(overrides or [])
+    if extra_steps is not None:
+        items.append(f"train.steps={int(extra_steps)}")
+    if not any(o.split("=", 1)[0].strip() == "train.seed" for o in items):
+        items.append(f"train.seed={cfg_parent.train.seed + 1}")  # new batches, same data
+    if not any(o.split("=", 1)[0].strip() == "data.dataset" for o in items):
+        items.append(f"data.dataset={cfg_parent.dataset_url(parent_url)}")
+    items.append(f"parent_run={parent_url}")
+    return load_config({k: v for k, v in tree.items() if k != "parent_run"}, items)

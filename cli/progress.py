@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from flows.report import human_bytes, human_seconds, snapshot
 from storage.exchange import Exchange
+from workers.report import human_bytes, human_seconds, snapshot
 
 _STATE_STYLE = {"finished": "green", "running": "cyan", "cancelled": "yellow",
                 "interrupted": "yellow", "failed": "red"}

@@ -1,7 +1,7 @@
 """What the jobs report beyond the store: the seam between orchestration and tracking.
 
-The worker, aggregator and train jobs call these methods; the default does nothing,
-and ``flows/tracking.py`` implements them with MLflow. A hook must never stop or
+The worker, aggregator and train jobs (``flows/``) call these methods; the default
+does nothing, and `tracking.mlflow_hooks.MlflowHooks` implements them with MLflow. A hook must never stop or
 slow training: implementations buffer, retry in the background, and swallow (and
 count) their own failures.
 """
@@ -44,15 +44,3 @@ class Hooks:
         """Flush whatever is buffered (bounded in time); returns what was not logged
         (counts by kind), if anything."""
         return None
-
-
-def make_hooks(run_url: str, *, role: str, storage_options: dict | None = None) -> Hooks:
-    """The hooks a job of ``role`` ("train", "worker:<name>", "aggregator") uses.
-
-    Returns MLflow tracking when it is enabled for the run, else no-op hooks.
-    """
-    try:
-        from flows.tracking import hooks_for  # noqa: PLC0415
-    except ImportError:
-        return Hooks()
-    return hooks_for(run_url, role=role, storage_options=storage_options)

@@ -1,4 +1,4 @@
-"""``diloco compare``: several tracked runs side by side.
+"""Several tracked runs side by side (what ``diloco compare`` shows).
 
 Each spec is an MLflow run id, a run name (the store's run id, which names the
 parent run), or an MLflow filter string (``"params.sync.mode = 'eager'"``,
@@ -8,14 +8,15 @@ keep parent runs (those the train job created). A row per run:
 - final and best eval loss of the model the run produces (the aggregator's
   canonical model; the workers' mean for data-parallel),
 - tokens processed (all workers), bytes exchanged (all workers, up + down; for
-  data-parallel the ring all-reduce volume, see `flows.plots`),
+  data-parallel the ring all-reduce volume, see `tracking.plots`),
 - the reduction in bytes against data-parallel: against a data-parallel run among
   those compared when there is one, else against the all-reduce formula for this
   run's own model, workers and steps; the ``reduction basis`` column says which,
 - wall time and seconds each worker waited on the exchange.
 
-It prints a table, writes CSV and Markdown, draws overlay plots (PNG), and with
-``--log`` records all of them as artifacts of a comparison run in MLflow.
+It writes CSV and Markdown, draws overlay plots (PNG), and with ``log`` records all
+of them as artifacts of a comparison run in MLflow. ``diloco compare``
+(`cli.compare`) prints the table.
 """
 
 from __future__ import annotations
@@ -23,22 +24,17 @@ from __future__ import annotations
 import csv
 import logging
 import re
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
-from rich.console import Console
-from rich.table import Table
-
-from flows.plots import RunCurves, fmt_bytes, load_run_curves, plot_overlay
-from flows.tracking import (
+from tracking.mlflow_hooks import (
     artifact_location,
     default_tracking_uri,
     experiment_name,
     short_http_retries,
 )
+from tracking.plots import RunCurves, fmt_bytes, load_run_curves, plot_overlay
 
 log = logging.getLogger(__name__)
 
@@ -202,26 +198,6 @@ def formatted(rows: list[CompareRow]) -> list[dict[str, str]]:
             for row in rows]
 
 
-def rich_table(rows: list[CompareRow], width: int = 200) -> Table:
-    """A row per run when the terminal is wide enough, else a column per run."""
-    cells = formatted(rows)
-    if width >= 190 or len(rows) > 6:
-        table = Table(title="diloco compare", header_style="bold")
-        for name, header in HEADERS.items():
-            numeric = name not in ("run", "strategy", "mode", "bytes_source", "reduction_basis")
-            table.add_column(header, justify="right" if numeric else "left")
-        for row in cells:
-            table.add_row(*row.values())
-        return table
-    table = Table(title="diloco compare", header_style="bold", show_header=True)
-    table.add_column("", style="bold")
-    for row in cells:
-        table.add_column(row["run"], justify="right")
-    for header in list(HEADERS.values())[1:]:
-        table.add_row(header, *(row[header] for row in cells))
-    return table
-
-
 def write_csv(rows: list[CompareRow], path: Path) -> Path:
     """Raw numbers (bytes, seconds, tokens), one row per run."""
     fields = list(asdict(rows[0])) if rows else list(CompareRow.__dataclass_fields__)
@@ -270,11 +246,11 @@ def compare(
     *,
     tracking_uri: str | None = None,
     out_dir: str | Path = "compare",
-    formats: tuple[str, ...] | list[str] = ("table", "csv", "md"),
+    formats: tuple[str, ...] | list[str] = ("csv", "md"),
     log: bool = False,
-    console: Console | None = None,
 ) -> CompareResult:
-    """Compare the runs named by ``specs`` (see the module docstring)."""
+    """Compare the runs named by ``specs`` (see the module docstring); writes the
+    ``formats`` asked for (``csv``, ``md``) and the overlay plots into ``out_dir``."""
     from mlflow import MlflowClient  # noqa: PLC0415
 
     if not specs:
@@ -292,43 +268,7 @@ def compare(
         result.csv_path = write_csv(rows, out / "compare.csv")
     if "md" in formats:
         result.md_path = write_markdown(rows, out / "compare.md", result.plots)
-    if "table" in formats:
-        console = console or Console()
-        console.print(rich_table(rows, console.width))
     if log:
         files = [p for p in (result.csv_path, result.md_path, *result.plots) if p]
         result.comparison_run_id = _log_comparison(client, rows, files)
     return result
-
-
-def compare_command(
-    specs: Annotated[list[str], typer.Argument(
-        help="run ids, run names, or MLflow filter strings (quote them), e.g. "
-             "\"params.sync.mode = 'eager'\"")],
-    tracking_uri: Annotated[str | None, typer.Option(
-        "--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else "
-                               "sqlite:///./mlflow.db)")] = None,
-    out: Annotated[Path, typer.Option(
-        "--out", help="directory for the plots, CSV and Markdown")] = Path("compare"),
-    write_csv_file: Annotated[bool, typer.Option("--csv/--no-csv", help="write compare.csv")]
-    = True,
-    write_md_file: Annotated[bool, typer.Option("--md/--no-md", help="write compare.md")]
-    = True,
-    log_run: Annotated[bool, typer.Option(
-        "--log", help="record the table and plots as artifacts of a comparison run")] = False,
-) -> None:
-    """Compare runs: a table of eval loss, tokens, bytes exchanged (and the reduction
-    against data-parallel), wall time and waiting; overlay plots as PNG."""
-    console = Console(width=None if sys.stdout.isatty() else 240)  # a file or pipe: no squeezing
-    formats = ["table"] + (["csv"] if write_csv_file else []) + (["md"] if write_md_file else [])
-    try:
-        result = compare(specs, tracking_uri=tracking_uri, out_dir=out, formats=formats,
-                         log=log_run, console=console)
-    except CompareError as exc:
-        Console(stderr=True).print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
-    for path in [result.csv_path, result.md_path, *result.plots]:
-        if path is not None:
-            console.print(f"wrote {path}")
-    if result.comparison_run_id:
-        console.print(f"logged as MLflow run {result.comparison_run_id}")

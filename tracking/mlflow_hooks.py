@@ -59,8 +59,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from flows.hooks import Hooks
-from flows.plots import RUN_PLOTS
+from tracking.hooks import Hooks
+from tracking.plots import RUN_PLOTS
 
 log = logging.getLogger(__name__)
 
@@ -878,7 +878,7 @@ class MlflowHooks(Hooks):
 
     def _finish_parent(self, summary: dict[str, Any]) -> None:
         """The end of the train job: summary, config and plots on the parent run."""
-        from flows import plots  # noqa: PLC0415 - matplotlib only when needed
+        from tracking import plots  # noqa: PLC0415 - matplotlib only when needed
 
         parent = self._require("parent")
         client = self._client()

@@ -1,0 +1,1 @@
+"""The `diloco` command (typer and rich): parse arguments, call `flows` and `tracking`, print."""

@@ -1,0 +1,58 @@
+"""The ``diloco`` command: run, follow, resume, cancel and deploy training runs.
+
+    diloco run                          # the embedded default: tiny recipe, two local "regions"
+    diloco run configs/small.yaml --set train.steps=2000
+    diloco status tiny-20260101-120000  # a run URL, or a run's name under runs/
+    diloco resume tiny-20260101-120000
+    diloco cancel tiny-20260101-120000
+    diloco deploy                       # infra/prefect.yaml on $PREFECT_API_URL
+    diloco prepare-data builtin:shakespeare --out runs/data/shakespeare
+
+Each command lives in its own module of this package; this one builds the app.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from cli.bench import bench
+from cli.compare import compare_command
+from cli.data import prepare_data
+from cli.deploy import deploy
+from cli.status import cancel, status
+from cli.train import resume, run
+
+HELP = """Train one language model across regions with Streaming DiLoCo.
+
+\b
+  diloco run                   the embedded default: tiny recipe, two local "regions"
+  diloco run small --set train.steps=2000
+  diloco status RUN            RUN: a run URL, or a run's name under runs/
+  diloco resume RUN
+  diloco cancel RUN
+  diloco deploy                infra/prefect.yaml on $PREFECT_API_URL
+  diloco prepare-data builtin:shakespeare --out runs/data/shakespeare
+
+Errors you can act on print one line and exit with status 2 (nothing is launched);
+a failed run exits 1, a cancelled one 3, Ctrl-C 130.
+"""
+
+app = typer.Typer(
+    name="diloco", help=HELP, no_args_is_help=True, add_completion=False,
+    rich_markup_mode=None, pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.command()(run)
+app.command()(resume)
+app.command()(status)
+app.command()(cancel)
+app.command()(deploy)
+app.command("prepare-data")(prepare_data)
+app.command()(bench)
+app.command("compare")(compare_command)
+
+
+if __name__ == "__main__":  # pragma: no cover - the console script calls app()
+    sys.exit(app())

@@ -1,0 +1,62 @@
+"""``diloco bench``: the benchmarks of a source checkout, run as their own process.
+
+The benchmarks sit above the product and are not installed with it, so the command
+never imports them: it runs ``python -m benchmarks.run_all`` in the checkout that
+holds this package, with the same flags.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.console import EXIT_FAILED, fail
+
+BENCHMARKS = ("codecs", "exchange", "quality", "traffic", "bandwidth")
+
+
+def checkout() -> Path:
+    """The checkout holding benchmarks/ (it is not part of the installed package)."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "run_all.py").exists():
+        raise fail("diloco bench runs from a source checkout: benchmarks/ was not found "
+                   f"beside {Path(__file__).resolve().parent}")
+    return root
+
+
+def bench(
+    only: Annotated[str, typer.Option(
+        help=f"comma list of: {', '.join(BENCHMARKS)}")] = ",".join(BENCHMARKS),
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="smoke-test sizes; writes quick-* results, leaves the real ones")] = False,
+    mlflow: Annotated[bool, typer.Option(
+        "--mlflow/--no-mlflow", help="log the contenders' runs to MLflow")] = True,
+    results_dir: Annotated[Path | None, typer.Option(
+        help="where the JSON and Markdown go (default benchmarks/results)")] = None,
+) -> None:
+    """Measure against data-parallel: codecs, exchange latency, quality at equal
+    tokens, traffic, and compute utilisation under capped bandwidth (root).
+
+    Each benchmark runs as its own process, one after the other; each writes JSON
+    and Markdown, and benchmarks/results/summary.md gathers them. A full run takes
+    hours on two cores; --quick checks that everything works in a few minutes."""
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(BENCHMARKS))
+    if unknown or not names:
+        raise fail(f"--only: unknown {', '.join(unknown) or '(empty)'}; allowed: "
+                   f"{', '.join(BENCHMARKS)}")
+    argv = ["--only", ",".join(names)]
+    if quick:
+        argv.append("--quick")
+    if not mlflow:
+        argv.append("--no-mlflow")
+    if results_dir is not None:
+        argv += ["--results-dir", str(results_dir.resolve())]
+    code = subprocess.call([sys.executable, "-m", "benchmarks.run_all", *argv],
+                           cwd=checkout())
+    if code:
+        raise typer.Exit(EXIT_FAILED)

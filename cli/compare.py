@@ -1,0 +1,73 @@
+"""``diloco compare``: tracked runs side by side, printed as a table.
+
+The comparison itself (finding the runs in MLflow, the rows, CSV, Markdown, plots,
+the comparison run) is `tracking.compare`; this module parses the arguments and
+prints.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tracking import compare as comparing
+
+
+def rich_table(rows: list[comparing.CompareRow], width: int = 200) -> Table:
+    """A row per run when the terminal is wide enough, else a column per run."""
+    cells = comparing.formatted(rows)
+    headers = comparing.HEADERS
+    if width >= 190 or len(rows) > 6:
+        table = Table(title="diloco compare", header_style="bold")
+        for name, header in headers.items():
+            numeric = name not in ("run", "strategy", "mode", "bytes_source", "reduction_basis")
+            table.add_column(header, justify="right" if numeric else "left")
+        for row in cells:
+            table.add_row(*row.values())
+        return table
+    table = Table(title="diloco compare", header_style="bold", show_header=True)
+    table.add_column("", style="bold")
+    for row in cells:
+        table.add_column(row["run"], justify="right")
+    for header in list(headers.values())[1:]:
+        table.add_row(header, *(row[header] for row in cells))
+    return table
+
+
+def compare_command(
+    specs: Annotated[list[str], typer.Argument(
+        help="run ids, run names, or MLflow filter strings (quote them), e.g. "
+             "\"params.sync.mode = 'eager'\"")],
+    tracking_uri: Annotated[str | None, typer.Option(
+        "--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else "
+                               "sqlite:///./mlflow.db)")] = None,
+    out: Annotated[Path, typer.Option(
+        "--out", help="directory for the plots, CSV and Markdown")] = Path("compare"),
+    write_csv_file: Annotated[bool, typer.Option("--csv/--no-csv", help="write compare.csv")]
+    = True,
+    write_md_file: Annotated[bool, typer.Option("--md/--no-md", help="write compare.md")]
+    = True,
+    log_run: Annotated[bool, typer.Option(
+        "--log", help="record the table and plots as artifacts of a comparison run")] = False,
+) -> None:
+    """Compare runs: a table of eval loss, tokens, bytes exchanged (and the reduction
+    against data-parallel), wall time and waiting; overlay plots as PNG."""
+    console = Console(width=None if sys.stdout.isatty() else 240)  # a file or pipe: no squeezing
+    formats = (["csv"] if write_csv_file else []) + (["md"] if write_md_file else [])
+    try:
+        result = comparing.compare(specs, tracking_uri=tracking_uri, out_dir=out,
+                                   formats=formats, log=log_run)
+    except comparing.CompareError as exc:
+        Console(stderr=True).print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    console.print(rich_table(result.rows, console.width))
+    for path in [result.csv_path, result.md_path, *result.plots]:
+        if path is not None:
+            console.print(f"wrote {path}")
+    if result.comparison_run_id:
+        console.print(f"logged as MLflow run {result.comparison_run_id}")

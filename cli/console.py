@@ -1,0 +1,89 @@
+"""What the command prints and how it fails: the consoles, exit statuses, one-line
+errors, and the hints at the end of a run.
+
+Errors a user can act on are one line on stderr and exit status 2; nothing is
+launched. A run that fails exits 1, a cancelled one 3, Ctrl-C 130.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from enum import StrEnum
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from tracking.mlflow_hooks import tracking_enabled
+
+# In a terminal, its width; piped (CI, tests, logs), wide enough for the tables.
+console = Console(width=None if sys.stdout.isatty() else 110)
+errors = Console(stderr=True, width=None if sys.stderr.isatty() else 110)
+
+EXIT_FAILED, EXIT_USAGE, EXIT_CANCELLED, EXIT_INTERRUPTED = 1, 2, 3, 130
+
+
+class Backend(StrEnum):
+    local = "local"
+    deployments = "deployments"
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
+    """Print ``message`` as one error line; the caller raises what this returns."""
+    errors.print(f"[bold red]error:[/] {message}", highlight=False, markup=True,
+                 soft_wrap=True)
+    return typer.Exit(code)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The errors that are the user's to fix: one message, exit 2.
+
+    Imported when first needed: `workers.config` brings torch (see the package
+    docstring for what that costs every command)."""
+    from flows.deploy import DeployError  # noqa: PLC0415
+    from flows.launchers import LaunchError  # noqa: PLC0415
+    from storage.errors import ManifestInvalid, RunExists  # noqa: PLC0415
+    from workers.config import ConfigError  # noqa: PLC0415 - torch
+    from workers.data import DataError  # noqa: PLC0415 - torch
+    from workers.locate import RunNotFound, StoreUnreachable  # noqa: PLC0415 - torch
+
+    return (ConfigError, RunNotFound, StoreUnreachable, RunExists, ManifestInvalid, DataError,
+            DeployError, LaunchError)
+
+
+def quiet_logs(verbose: bool) -> None:
+    """Before Prefect and MLflow are imported: their INFO lines would tear through
+    the progress bars. The temporary server of the embedded default sends no
+    telemetry (it would only print errors on machines without internet access)."""
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "ERROR")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+    if not os.environ.get("PREFECT_API_URL"):
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        # The temporary server needs more than Prefect's default 20 s to start on a
+        # busy two-core machine; a slow start must not fail the run.
+        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+
+def shown(url: str) -> str:
+    """A local run path relative to the working directory when it is under it."""
+    if "://" in url:
+        return url
+    try:
+        return str(Path(url).relative_to(Path.cwd()))
+    except ValueError:
+        return url
+
+
+def mlflow_hint() -> str:
+    if not tracking_enabled():
+        return "tracking off (DILOCO_TRACKING=off)"
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri and not uri.startswith("sqlite:"):
+        return uri
+    return f"mlflow ui --backend-store-uri {uri or 'sqlite:///mlflow.db'}"
+
+
+def prefect_hint() -> str:
+    url = os.environ.get("PREFECT_API_URL")
+    return url.removesuffix("/api") if url else "temporary local server"

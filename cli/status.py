@@ -1,0 +1,62 @@
+"""``diloco status`` and ``diloco cancel``: read a run's state from its store, or
+stop it. How jobs are stopped is `flows.cancel`; this module prints."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from cli.console import console, errors, quiet_logs, shown
+from cli.progress import print_status
+from cli.train import open_named_run
+from flows import cancel as cancelling
+from flows.control import cancel_request, read_launcher, request_cancel
+from workers.report import snapshot
+
+
+def status(
+    run: Annotated[str, typer.Argument(help="a run URL, or a run's name under runs/")],
+    as_json: Annotated[bool, typer.Option("--json", help="print the status as JSON")] = False,
+) -> None:
+    """Every party's progress, read from the run's store."""
+    url, exchange = open_named_run(run)
+    launcher, cancel = read_launcher(exchange.store), cancel_request(exchange.store)
+    if as_json:
+        print(json.dumps({"run_url": url, **snapshot(exchange), "launcher": launcher,
+                          "cancel": cancel}, indent=1, default=str))
+        return
+    print_status(console, exchange, shown(url), launcher, cancel)
+
+
+def cancel(
+    run: Annotated[str, typer.Argument(help="a run URL, or a run's name under runs/")],
+    reason: Annotated[str, typer.Option(help="recorded in the cancel request")] = "",
+    wait: Annotated[bool, typer.Option(
+        help="wait until every job has stopped")] = True,
+    timeout: Annotated[float, typer.Option(help="seconds to wait")] = 180.0,
+) -> None:
+    """Stop a run: every job checkpoints and exits; `diloco resume RUN` continues it.
+
+    Writes a cancel request into the run's store (every job and the train flow poll
+    it), cancels the jobs' Prefect flow runs when they have any, and waits.
+    """
+    _url, exchange = open_named_run(run)
+    request = request_cancel(exchange.store, reason)
+    console.print(f"cancel requested ({request['requested'][:19]}, by {request['by']})")
+    launcher = read_launcher(exchange.store) or {}
+    if launcher.get("backend") == "deployments" and cancelling.prefect_reachable():
+        quiet_logs(False)
+        changed = cancelling.cancel_deployment_jobs(launcher, "diloco cancel")
+        console.print(f"set {len(changed)} flow runs to Cancelling")
+    if not wait:
+        return
+    with console.status("waiting for the jobs to checkpoint and stop ..."):
+        stopped = cancelling.wait_until_stopped(exchange, launcher, timeout)
+        if not stopped:
+            cancelling.kill_local_jobs(launcher, on_kill=lambda name, pid: errors.print(
+                f"{name} (pid {pid}) did not stop in time; killing it"))
+    states = cancelling.party_states(exchange)
+    console.print("stopped: " + ", ".join(f"{n} {s}" for n, s in states.items()))
+    console.print(f"continue with: diloco resume {run}")

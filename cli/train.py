@@ -1,0 +1,228 @@
+"""``diloco run`` and ``diloco resume``: start or continue a run, show its progress,
+print its figures.
+
+The train flow (`flows.train`) does the work; this module resolves what the user
+named, refuses what cannot work before anything is launched, and prints.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from cli.console import (
+    EXIT_CANCELLED,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    Backend,
+    console,
+    errors,
+    fail,
+    mlflow_hint,
+    prefect_hint,
+    quiet_logs,
+    shown,
+    user_errors,
+)
+from cli.progress import LiveProgress, print_report
+from flows.cancel import live_local_jobs
+from flows.control import cancel_request, clear_cancel, read_launcher
+from storage.errors import StoreError
+from workers.report import build_report, snapshot
+from workers.status import read_status
+
+
+def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: bool,
+           storage_options: dict | None = None) -> None:
+    """Run the train flow with a live display, then print the figures."""
+    quiet_logs(verbose)
+    # Prefect and torch: imported here, after quiet_logs (see the package docstring).
+    from flows.train import train  # noqa: PLC0415
+    from workers.locate import open_run  # noqa: PLC0415
+
+    start = time.monotonic()
+    where = shown(run_url)
+    console.print(f"[bold]{'resuming' if resume else 'training'}[/] {where}  "
+                  f"(Prefect: {prefect_hint()})", highlight=False)
+    live = LiveProgress(lambda: open_run(run_url, storage_options), console)
+    state = None
+    try:
+        with live:
+            state = train(run_url=run_url, resume=resume, storage_options=storage_options,
+                          return_state=True, **flow_kwargs)
+    except KeyboardInterrupt:
+        errors.print(f"\ninterrupted: the jobs saved their checkpoints. Continue with:\n"
+                     f"  diloco resume {where}")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    try:
+        exchange = open_run(run_url, storage_options)
+    except Exception:  # noqa: BLE001 - it failed before the run was created
+        exchange = None
+    if state is not None and state.is_failed() and exchange is None:
+        raise fail(_state_message(state))
+    outcome = ("finished" if state.is_completed() else
+               "cancelled" if state.is_cancelled() else "failed")
+    report = build_report(exchange, run_url=run_url, state=outcome,
+                          wall_seconds=time.monotonic() - start,
+                          message="" if outcome == "finished" else _state_message(state))
+    print_report(console, report, initial_eval=_initial_eval(exchange),
+                 where=[("store", where), ("status", f"diloco status {_run_ref(run_url)}"),
+                        ("MLflow", mlflow_hint()), ("Prefect", prefect_hint())]
+                 + ([("resume", f"diloco resume {_run_ref(run_url)}")]
+                    if outcome != "finished" else []))
+    if outcome == "failed":
+        raise typer.Exit(EXIT_FAILED)
+    if outcome == "cancelled":
+        raise typer.Exit(EXIT_CANCELLED)
+
+
+def _state_message(state: Any) -> str:
+    message = state.message or state.type.value
+    return message.removeprefix("Flow run encountered an exception: ")
+
+
+def _initial_eval(exchange: Any) -> float | None:
+    return (read_status(exchange.store, "aggregator") or {}).get("initial_eval_loss")
+
+
+def _run_ref(run_url: str) -> str:
+    """How to name the run on the command line: its name if it is under runs/."""
+    from workers.locate import DEFAULT_STORE  # noqa: PLC0415 - torch
+
+    if "://" not in run_url and Path(run_url).parent == Path(DEFAULT_STORE).resolve():
+        return Path(run_url).name
+    return shown(run_url)
+
+
+def run(
+    config: Annotated[str, typer.Argument(
+        help="a recipe in configs/ (tiny, small, gpu-150m, gpu-1b) or a YAML file")] = "tiny",
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", metavar="KEY=VALUE",
+        help="override a config field, e.g. --set train.steps=100 (repeatable)")] = None,
+    run_url: Annotated[str | None, typer.Option(
+        "--run-url", help="where the run lives (default: <store>/<name>-<time>)")] = None,
+    backend: Annotated[Backend, typer.Option(
+        help="local: worker processes on this machine; deployments: Prefect deployments "
+             "of each region's work pool (see diloco deploy)")] = Backend.local,
+    nproc: Annotated[int, typer.Option(
+        min=1, help="processes per worker island (torchrun when > 1)")] = 1,
+    continue_from: Annotated[str | None, typer.Option(
+        "--continue-from", metavar="RUN",
+        help="start from the canonical model of this run (a new run; see --extra-steps)")] = None,
+    extra_steps: Annotated[int | None, typer.Option(
+        min=1, help="with --continue-from: the new run's steps (default: the old run's)")] = None,
+    no_eval: Annotated[bool, typer.Option(
+        "--no-eval", help="do not evaluate the canonical model in the aggregator")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Prefect's logs too")] = False,
+) -> None:
+    """Train: create a run, launch its workers and aggregator, show progress, report.
+
+    With no arguments: the tiny recipe on two local "regions", the store in runs/,
+    Prefect without a server to install, MLflow on SQLite (mlflow.db).
+    """
+    quiet_logs(verbose)
+    # torch (see the package docstring)
+    from workers.config import load_config  # noqa: PLC0415
+    from workers.locate import absolute, new_run_url, reach_store, resolve_run  # noqa: PLC0415
+    from workers.runs import continuation, ensure_dataset  # noqa: PLC0415
+
+    try:
+        if continue_from:
+            parent = resolve_run(continue_from)
+            cfg = continuation(parent, overrides, extra_steps)
+        else:
+            if extra_steps is not None:
+                raise fail("--extra-steps goes with --continue-from; use --set train.steps=N")
+            cfg = load_config(config, overrides)
+        reach_store(absolute(run_url) if run_url else cfg.store)
+        url = absolute(run_url) if run_url else new_run_url(cfg)
+        if _exists(url):
+            raise fail(f"a run already exists at {url}; continue it with: diloco resume "
+                       f"{shown(url)}, or choose another --run-url")
+    except user_errors() as exc:
+        raise fail(str(exc)) from None
+    dataset = cfg.dataset_url(url)
+    try:
+        with console.status(f"preparing the dataset {shown(dataset)} ..."):
+            ensure_dataset(cfg, url)
+    except (*user_errors(), StoreError, OSError) as exc:
+        raise fail(f"cannot prepare the dataset {shown(dataset)}: {exc}") from None
+    flow_kwargs: dict[str, Any] = {"backend": backend.value, "nproc": nproc,
+                                   "evaluate": not no_eval}
+    if continue_from:
+        flow_kwargs.update(resume_run=parent, extra_steps=extra_steps, overrides=overrides)
+    else:
+        flow_kwargs["config"] = cfg.model_dump(mode="json")
+    _drive(run_url=url, flow_kwargs=flow_kwargs, resume=False, verbose=verbose)
+
+
+def _exists(url: str) -> bool:
+    from workers.locate import open_run  # noqa: PLC0415 - torch
+
+    try:
+        open_run(url)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def open_named_run(run: str) -> tuple[str, Any]:
+    """A run named on the command line: (its URL, its exchange); a clear error if the
+    name resolves to nothing, the store is unreachable or holds no run."""
+    from workers.locate import open_run, reach_store, resolve_run  # noqa: PLC0415 - torch
+
+    try:
+        url = resolve_run(run)
+        reach_store(url)
+        return url, open_run(url)
+    except user_errors() as exc:
+        raise fail(str(exc)) from None
+
+
+def _age(iso: str | None) -> float:
+    """Seconds since an ISO time (infinite if there is none)."""
+    if not iso:
+        return float("inf")
+    try:
+        return (datetime.now(UTC) - datetime.fromisoformat(iso)).total_seconds()
+    except ValueError:
+        return float("inf")
+
+
+def resume(
+    run: Annotated[str, typer.Argument(help="a run URL, or a run's name under runs/")],
+    backend: Annotated[Backend, typer.Option(help="how to launch the jobs")] = Backend.local,
+    nproc: Annotated[int, typer.Option(min=1, help="processes per worker island")] = 1,
+    force: Annotated[bool, typer.Option(
+        help="resume even if some job reported progress in the last minute")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Prefect's logs too")] = False,
+) -> None:
+    """Continue a stopped run from its checkpoints (after cancel, a crash or Ctrl-C)."""
+    quiet_logs(verbose)
+    url, exchange = open_named_run(run)
+    snap = snapshot(exchange)
+    parties = [*snap["workers"].values(), snap["aggregator"]]
+    alive = live_local_jobs(read_launcher(exchange.store) or {})
+    recent = [p["name"] for p in parties if p.get("state") == "running"
+              and _age(p.get("updated")) < 60]
+    if alive or (recent and not force):
+        who = ", ".join(f"{n} (pid {pid})" for n, pid in alive.items()) or ", ".join(recent)
+        raise fail(f"{shown(url)} is still running ({who}); stop it first with: diloco "
+                   f"cancel {run}" + ("" if alive else "  (or --force if those jobs are gone)"))
+    if cancel_request(exchange.store):
+        console.print("withdrawing the cancel request")
+    if all(p.get("state") == "finished" for p in parties):
+        clear_cancel(exchange.store)
+        console.print(f"{shown(url)} has already finished; nothing to resume")
+        print_report(console, build_report(exchange, run_url=url, state="finished",
+                                           wall_seconds=0.0),
+                     initial_eval=_initial_eval(exchange),
+                     where=[("store", shown(url)), ("MLflow", mlflow_hint())])
+        return
+    _drive(run_url=url, flow_kwargs={"backend": backend.value, "nproc": nproc}, resume=True,
+           verbose=verbose)
