@@ -7,7 +7,7 @@ verdict on one exception (it knows what s3fs and botocore make of S3's answers);
 of attempts, exponential backoff with jitter between them, and a
 `TransientStoreError` naming the operation when the attempts are used up.
 
-`storage.objectstore` is the only user: it counts every attempt in its traffic
+`ObjectStore` is the one that runs it: it counts every attempt in its traffic
 counter and logs every retry with the store's name and the key's URL.
 """
 
