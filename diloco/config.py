@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from diloco.strict import names_unknown_fields
 from storage.codecs import CODEC_NAMES, CodecSpec
 
 Mode = Literal["diloco", "streaming", "eager"]
@@ -76,17 +77,7 @@ class SyncConfig(BaseModel):
         default=0.5, description="longest delay between two polls (each poll is one request)"
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _known_fields(cls, data: object) -> object:
-        if isinstance(data, dict):
-            unknown = sorted(set(data) - set(cls.model_fields))
-            if unknown:
-                raise ValueError(
-                    f"unknown field(s) {', '.join(unknown)}; allowed: "
-                    f"{', '.join(cls.model_fields)}"
-                )
-        return data
+    _known_fields = names_unknown_fields()
 
     @model_validator(mode="after")
     def _check(self) -> SyncConfig:

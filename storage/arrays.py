@@ -23,7 +23,7 @@ import zarr
 from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
 
-from storage.codecs import CodecSpec, roundtrip, zarr_array_codecs
+from storage.codecs import CodecSpec, roundtrip
 from storage.errors import (
     CorruptObject,
     NonFiniteValues,
@@ -32,6 +32,7 @@ from storage.errors import (
     ShapeMismatch,
 )
 from storage.objectstore import ObjectStore
+from storage.zarr_codec import zarr_array_codecs
 
 # Largest chunk in elements; payloads above it are split so uploads run in parallel.
 MAX_CHUNK = 1 << 26

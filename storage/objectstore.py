@@ -15,9 +15,10 @@ same way:
   several workers as threads of one process.
 
 Every operation retries transient faults (5xx, throttling, connection resets)
-under a `RetryPolicy`, then raises `TransientStoreError`; every operation is counted
-in a `TrafficCounter`, because bytes moved are a result the project reports.
-Nothing here imports torch.
+under a `RetryPolicy` (storage/retry.py, on tenacity), then raises
+`TransientStoreError`; every attempt is counted in a `TrafficCounter`, because
+bytes moved are a result the project reports. Opening a URL and the rules for keys
+are in storage/backends.py. Nothing here imports torch.
 
 Example::
 
@@ -30,292 +31,31 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import errno
-import http.client
 import logging
 import os
-import random
-import threading
-import time
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext, suppress
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import nullcontext, suppress
 from typing import Any, TypeVar
-from urllib.parse import unquote
 
 import fsspec
-from botocore.exceptions import ClientError, HTTPClientError
-from botocore.parsers import ResponseParserError
 from fsspec.asyn import sync as fsspec_sync
+from tenacity import RetryCallState
 
+from storage.backends import (
+    MEMORY_LOCK,
+    TMP_MARK,
+    file_temp,
+    is_precondition_failed,
+    open_backend,
+    validate_key,
+)
 from storage.errors import ObjectMissing, TransientStoreError
+from storage.retry import RetryPolicy, is_transient
 from storage.traffic import TrafficCounter
-
-try:  # aiobotocore speaks aiohttp; its payload/connection errors are transient
-    from aiohttp import ClientConnectionError, ClientPayloadError
-
-    _AIOHTTP_TRANSIENT: tuple[type[BaseException], ...] = (
-        ClientConnectionError,
-        ClientPayloadError,
-    )
-except ImportError:  # pragma: no cover - aiohttp comes with aiobotocore
-    _AIOHTTP_TRANSIENT = ()
 
 log = logging.getLogger(__name__)
 
-SCHEMES = ("memory", "file", "s3")
-
-#: S3 error codes worth another attempt. SlowDown/ServiceUnavailable are 503s,
-#: InternalError a 500, the two 409s are documented by AWS as "retry the upload".
-TRANSIENT_S3_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestTimeout",
-        "RequestTimeoutException",
-        "InternalError",
-        "ServiceUnavailable",
-        "ConditionalRequestConflict",
-        "OperationAborted",
-    }
-)
-
-#: errno values that mean "the network or the server hiccupped". EBUSY and
-#: EREMOTEIO are what s3fs.errors.translate_boto_error turns SlowDown/503 and
-#: InternalError/500 into when it drops the botocore cause.
-TRANSIENT_ERRNOS = frozenset(
-    {
-        errno.ECONNRESET,
-        errno.ETIMEDOUT,
-        errno.EPIPE,
-        errno.ECONNREFUSED,
-        errno.EAGAIN,
-        errno.EBUSY,
-        getattr(errno, "EREMOTEIO", errno.EIO + 1000),
-    }
-)
-
-# Decisive exception types. OSError subclasses first: they are what s3fs makes of
-# 404/403/412, and what a retry can never fix.
-_NEVER_TRANSIENT: tuple[type[BaseException], ...] = (
-    FileNotFoundError,
-    PermissionError,
-    FileExistsError,
-    IsADirectoryError,
-    NotADirectoryError,
-    ValueError,
-    TypeError,
-)
-# ConnectionError covers ConnectionResetError/RefusedError/AbortedError and
-# BrokenPipeError; TimeoutError is asyncio.TimeoutError and fsspec's FSTimeoutError;
-# HTTPClientError covers botocore's EndpointConnectionError, ConnectionClosedError,
-# ReadTimeoutError and ConnectTimeoutError, which s3fs lets through untranslated.
-# ResponseParserError: throttling responses sometimes carry broken XML (s3fs #484).
-_TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
-    ConnectionError,
-    TimeoutError,
-    HTTPClientError,
-    ResponseParserError,
-    http.client.IncompleteRead,
-    *_AIOHTTP_TRANSIENT,
-)
-
-# fsspec's memory filesystem is one dict per process; this lock makes create-only
-# writes atomic and keeps listings from iterating a dict another thread is changing.
-_MEMORY_LOCK = threading.RLock()
-
-# Marker in the names of in-flight temp files of the file backend; keys may not
-# contain it, and listings skip it.
-_TMP_MARK = "~tmp~"
-_GLOB_CHARS = frozenset("*?[]")
-
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How often and how patiently to retry transient store errors.
-
-    Attempt ``i`` (counting from 0) that fails waits about
-    ``min(max_delay, base_delay * 2**i)`` seconds, scaled by a random factor in
-    [0.5, 1] so that workers that failed together do not retry together.
-    """
-
-    attempts: int = 6
-    base_delay: float = 0.2
-    max_delay: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
-        if self.base_delay < 0 or self.max_delay < 0:
-            raise ValueError("RetryPolicy delays must be >= 0")
-
-    def delay(self, failures: int) -> float:
-        """Seconds to wait after the ``failures``-th failed attempt (1-based)."""
-        ceiling = min(self.max_delay, self.base_delay * 2 ** (failures - 1))
-        return ceiling * random.uniform(0.5, 1.0)
-
-
-def _client_error_verdict(exc: BaseException) -> bool | None:
-    response = getattr(exc, "response", None)
-    if not isinstance(exc, ClientError) or not isinstance(response, dict):
-        return None
-    code = str(response.get("Error", {}).get("Code", ""))
-    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-    if code in TRANSIENT_S3_CODES or code in ("500", "502", "503", "504"):
-        return True
-    # 501 NotImplemented is a server that lacks a feature: retrying cannot help.
-    return status == 429 or (status >= 500 and status != 501)
-
-
-def is_transient(exc: BaseException) -> bool:
-    """True if ``exc`` is a fault worth retrying (5xx, throttling, a dropped
-    connection), False for anything a retry cannot fix (missing key, access
-    denied, precondition failed, bad request).
-
-    Walks the exception and its causes in order; the first one that says
-    something decides. That matters for s3fs, which re-raises botocore's
-    ``ClientError`` as an ``OSError`` whose ``__cause__`` is the original.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen and len(seen) < 16:
-        seen.add(id(current))
-        if isinstance(current, _NEVER_TRANSIENT):
-            return False
-        verdict = _client_error_verdict(current)
-        if verdict is not None:
-            return verdict
-        if isinstance(current, _TRANSIENT_TYPES):
-            return True
-        if isinstance(current, OSError) and current.errno in TRANSIENT_ERRNOS:
-            return True
-        current = current.__cause__ or current.__context__
-    return False
-
-
-def _is_precondition_failed(exc: BaseException) -> bool:
-    """A create-only write found the key present: S3 answers 412 PreconditionFailed,
-    which s3fs turns into FileExistsError (or OSError(EINVAL) when the response
-    lacks the Condition field)."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, FileExistsError):
-            return True
-        response = getattr(current, "response", None)
-        if isinstance(current, ClientError) and isinstance(response, dict):
-            code = response.get("Error", {}).get("Code")
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            return code in ("PreconditionFailed", "412") or status == 412
-        current = current.__cause__ or current.__context__
-    return False
-
-
-def validate_key(key: str, *, what: str = "key") -> str:
-    """Reject keys that could escape the store root or be misread by fsspec.
-
-    Keys are '/'-separated relative paths: no leading '/', no empty, '.' or '..'
-    segments, no glob characters (fsspec would expand them), no control characters.
-    """
-    if not isinstance(key, str) or not key:
-        raise ValueError(f"{what} must be a non-empty string, got {key!r}")
-    if key.startswith("/"):
-        raise ValueError(f"{what} {key!r} must be relative (no leading '/')")
-    for segment in key.split("/"):
-        if segment == "":
-            raise ValueError(f"{what} {key!r} has an empty path segment")
-        if segment in (".", ".."):
-            raise ValueError(f"{what} {key!r} may not contain '{segment}' segments")
-    bad = sorted({c for c in key if c in _GLOB_CHARS or ord(c) < 32 or c == "\\"})
-    if bad:
-        raise ValueError(f"{what} {key!r} contains forbidden characters {bad!r}")
-    if _TMP_MARK in key:
-        raise ValueError(f"{what} {key!r} may not contain {_TMP_MARK!r} (temp-file marker)")
-    return key
-
-
-def _split_credentials(url: str) -> tuple[str, str | None, str | None]:
-    """``s3://KEY:SECRET@bucket/p`` -> (``s3://bucket/p``, KEY, SECRET)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url, None, None
-    netloc, slash, path = rest.partition("/")
-    userinfo, at, host = netloc.rpartition("@")
-    if not at:
-        return url, None, None
-    key, colon, secret = userinfo.partition(":")
-    return (
-        f"{scheme}://{host}{slash}{path}",
-        unquote(key) or None,
-        unquote(secret) if colon else None,
-    )
-
-
-def _strip_credentials(url: str) -> str:
-    return _split_credentials(url)[0]
-
-
-def _clean_url(url: str) -> str:
-    """Without credentials or trailing slashes (``memory://`` stays as it is)."""
-    url = _strip_credentials(url)
-    scheme, sep, rest = url.partition("://")
-    if sep:
-        return f"{scheme}://{rest.rstrip('/')}"
-    return url.rstrip("/") or url
-
-
-def _scheme_of(url: str) -> str:
-    if "://" not in url:
-        return "file"
-    scheme = url.split("://", 1)[0].lower()
-    if scheme not in SCHEMES:
-        raise ValueError(
-            f"unsupported store URL {_strip_credentials(url)!r}: scheme {scheme!r} is not "
-            f"one of {', '.join(s + '://' for s in SCHEMES)} (or a plain local path)"
-        )
-    return scheme
-
-
-def _s3_filesystem(storage_options: dict[str, Any]) -> fsspec.AbstractFileSystem:
-    """An s3fs filesystem whose only retry layer is ours.
-
-    botocore retries 5xx by itself and s3fs retries again around it; stacked under
-    `RetryPolicy` that would be up to ~150 attempts, hide retries from the traffic
-    counter, and make "gave up after N attempts" a lie. So botocore gets
-    ``total_max_attempts=1`` (unless the caller configured retries) and s3fs's own
-    loop is set to a single attempt.
-
-    The endpoint comes from ``endpoint_url`` or ``client_kwargs``, else from
-    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``. botocore would read those
-    itself (checked with s3fs 2026.9 / aiobotocore 3.10), but fsspec caches
-    filesystem instances by their options, so an endpoint left to the environment
-    would let a later store with a different environment reuse a client pointed
-    at the old endpoint. Writing it into the options makes it part of the key.
-
-    The filesystem instance is fsspec's cached one for these options, shared by all
-    stores with the same options: s3fs runs its requests on its own IO thread and is
-    safe to call from several threads, and one instance means one connection pool
-    (``skip_instance_cache`` would open a new pool per store and leak them).
-    """
-    options = dict(storage_options)
-    options["use_listings_cache"] = False  # listings must always be fresh
-    client_kwargs = options.get("client_kwargs") or {}
-    ignore_env = os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true"
-    if not options.get("endpoint_url") and not client_kwargs.get("endpoint_url") and not ignore_env:
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        if endpoint:
-            options["endpoint_url"] = endpoint
-    config = dict(options.get("config_kwargs") or {})
-    config.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
-    options["config_kwargs"] = config
-    fs = fsspec.filesystem("s3", **options)
-    fs.retries = 1
-    return fs
 
 
 class ObjectStore:
@@ -334,32 +74,14 @@ class ObjectStore:
         traffic: TrafficCounter | None = None,
         name: str = "",
     ) -> None:
-        if not isinstance(url, str) or not url:
-            raise ValueError(f"store URL must be a non-empty string, got {url!r}")
-        self._kind = _scheme_of(url)
-        url, url_key, url_secret = _split_credentials(url)
-        self.url = _clean_url(url)
+        backend = open_backend(url, storage_options)
+        self._kind, self.url, self._fs, self._root = (
+            backend.kind, backend.url, backend.fs, backend.root
+        )
         self.retry = retry or RetryPolicy()
         self.traffic = traffic if traffic is not None else TrafficCounter()
         self.name = name
         self._traffic_prefix = ""
-        options = dict(storage_options or {})
-        if self._kind == "s3":
-            # credentials in the URL count, but never stay in it (or in logs)
-            if url_key and not options.get("key"):
-                options["key"] = url_key
-            if url_secret and not options.get("secret"):
-                options["secret"] = url_secret
-            self._fs = _s3_filesystem(options)
-            root = type(self._fs)._strip_protocol(url).rstrip("/")
-            if not root:
-                raise ValueError(f"store URL {self.url!r} names no bucket (s3://bucket/prefix)")
-        else:
-            self._fs = fsspec.filesystem(self._kind, **options)
-            root = type(self._fs)._strip_protocol(url).rstrip("/")
-            if self._kind == "file":
-                root = os.path.abspath(root or "/")
-        self._root = root
 
     # -- views ------------------------------------------------------------------
 
@@ -509,7 +231,7 @@ class ObjectStore:
             if not path.startswith(root):
                 continue
             key = path[len(root) :]
-            if not key.startswith(want) or key.endswith("/") or _TMP_MARK in key:
+            if not key.startswith(want) or key.endswith("/") or TMP_MARK in key:
                 continue
             keys.append(key)
         return sorted(set(keys))
@@ -544,21 +266,33 @@ class ObjectStore:
     # -- retries ------------------------------------------------------------------
 
     def _run(self, op: str, key: str, fn: Callable[[int], T]) -> T:
-        """Call ``fn(attempt)`` until it succeeds, retrying transient errors.
+        """Call ``fn(attempt)`` until it succeeds, retrying transient errors under
+        `retry` (tenacity does the loop, the backoff and the giving up).
 
         Every failed attempt counts as a request (the caller counts the one that
         succeeds, with its bytes). Non-transient errors propagate unchanged, with a
         note naming the URL, so callers can still tell FileNotFoundError from
         PermissionError.
         """
-        for attempt in range(1, self.retry.attempts + 1):
-            try:
-                with self._backend_lock():
-                    return fn(attempt)
-            except Exception as exc:
-                self.traffic.record(op, self._tkey(key))
-                self._raise_if_final(op, key, attempt, exc)
-                self._pause(op, key, attempt, exc)
+        url = f"{self.url}/{key}"
+        retrying = self.retry.retrying(
+            describe=lambda _exc: f"{op} {url}",
+            before_sleep=lambda state: self._before_retry(op, [key], state),
+        )
+        try:
+            for attempt in retrying:
+                with attempt:
+                    try:
+                        with self._backend_lock():
+                            return fn(attempt.retry_state.attempt_number)
+                    except Exception:
+                        self.traffic.record(op, self._tkey(key))
+                        raise
+        except TransientStoreError:
+            raise
+        except Exception as exc:
+            exc.add_note(f"while {op} {url}")
+            raise
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _run_many(
@@ -569,63 +303,69 @@ class ObjectStore:
     ) -> dict[str, Any]:
         """Like `_run` for a batch: ``fn(todo)`` returns one result or exception per
         key, and only the keys that failed transiently are tried again. A key's
-        non-transient error is raised at once, tagged with ``store_key``."""
+        non-transient error is raised at once, tagged with ``store_key``; the
+        retries and the final `TransientStoreError` name the first failed key."""
         done: dict[str, Any] = {}
         todo = list(keys)
-        for attempt in range(1, self.retry.attempts + 1):
+        failed: list[tuple[str, Exception]] = []
+
+        def one_attempt(number: int) -> None:
+            nonlocal todo
             with self._backend_lock():
                 results = fn(todo)
-            failed: list[tuple[str, Exception]] = []
+            failed.clear()
             for key, result in zip(todo, results, strict=True):
                 if isinstance(result, BaseException):
+                    result.store_key = key  # type: ignore[attr-defined]
                     failed.append((key, result))
                     self.traffic.record(op, self._tkey(key))
                 else:
                     done[key] = result
-            for key, exc in failed:
-                exc.store_key = key  # type: ignore[attr-defined]
-                self._raise_if_final(op, key, attempt, exc)
-            if not failed:
-                return done
-            for key, _ in failed[1:]:
-                self.traffic.record_retry(op, self._tkey(key))
-            self._pause(op, failed[0][0], attempt, failed[0][1], also=len(failed) - 1)
-            todo = [k for k, _ in failed]
-        raise AssertionError("unreachable")  # pragma: no cover
+            last = number >= self.retry.attempts
+            for _key, exc in failed:
+                if last or not is_transient(exc):
+                    raise exc  # tenacity re-raises it, or gives up on it
+            if failed:
+                todo = [k for k, _ in failed]
+                raise failed[0][1]
 
-    def _raise_if_final(self, op: str, key: str, attempt: int, exc: Exception) -> None:
-        """Re-raise ``exc`` if no retry can fix it; `TransientStoreError` if the
-        attempts are used up."""
-        url = f"{self.url}/{key}"
-        if not is_transient(exc):
-            exc.add_note(f"while {op} {url}")
-            raise exc
-        if attempt >= self.retry.attempts:
-            raise TransientStoreError(
-                f"{op} {url} failed after {self.retry.attempts} attempts; last error: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+        retrying = self.retry.retrying(
+            describe=lambda exc: f"{op} {self.url}/{exc.store_key}",  # type: ignore[attr-defined]
+            before_sleep=lambda state: self._before_retry(op, [k for k, _ in failed], state),
+            # an error of the whole batch (not of one key) is not ours to retry
+            retry_on=lambda exc: hasattr(exc, "store_key") and is_transient(exc),
+        )
+        try:
+            for attempt in retrying:
+                with attempt:
+                    one_attempt(attempt.retry_state.attempt_number)
+        except Exception as exc:
+            if hasattr(exc, "store_key") and not isinstance(exc, TransientStoreError):
+                exc.add_note(f"while {op} {self.url}/{exc.store_key}")
+            raise
+        return done
 
-    def _pause(self, op: str, key: str, attempt: int, exc: Exception, *, also: int = 0) -> None:
-        """Count, log and wait out one retry. Logs name the URL and the error, never
-        the storage options (they hold the credentials)."""
-        delay = self.retry.delay(attempt)
-        self.traffic.record_retry(op, self._tkey(key))
-        more = f" (and {also} more keys)" if also else ""
+    def _before_retry(self, op: str, keys: list[str], state: RetryCallState) -> None:
+        """Count and log one retry of ``keys`` (tenacity's ``before_sleep``). Logs
+        name the URL and the error, never the storage options (they hold the
+        credentials)."""
+        for key in keys:
+            self.traffic.record_retry(op, self._tkey(key))
+        exc = state.outcome.exception() if state.outcome else None
+        more = f" (and {len(keys) - 1} more keys)" if len(keys) > 1 else ""
         log.warning(
             "store %s: %s %s/%s%s failed (attempt %d of %d): %s: %s; retrying in %.2fs",
             self.name or "-",
             op,
             self.url,
-            key,
+            keys[0],
             more,
-            attempt,
+            state.attempt_number,
             self.retry.attempts,
             type(exc).__name__,
             exc,
-            delay,
+            state.next_action.sleep if state.next_action else 0.0,
         )
-        time.sleep(delay)
 
     # -- backends -----------------------------------------------------------------
 
@@ -636,11 +376,11 @@ class ObjectStore:
         return f"{self._traffic_prefix}{key}"
 
     def _backend_lock(self) -> Any:
-        return _MEMORY_LOCK if self._kind == "memory" else nullcontext()
+        return MEMORY_LOCK if self._kind == "memory" else nullcontext()
 
     def _put_raw(self, path: str, data: bytes) -> None:
         if self._kind == "file":
-            with _file_temp(path, data) as tmp:
+            with file_temp(path, data) as tmp:
                 os.replace(tmp, path)
         else:
             self._fs.pipe_file(path, data)
@@ -650,18 +390,18 @@ class ObjectStore:
             try:
                 self._fs.pipe_file(path, data, mode="create")
             except Exception as exc:
-                if _is_precondition_failed(exc):
+                if is_precondition_failed(exc):
                     return False
                 raise
             return True
         if self._kind == "file":
-            with _file_temp(path, data) as tmp:
+            with file_temp(path, data) as tmp:
                 try:
                     os.link(tmp, path)
                 except FileExistsError:
                     return False
             return True
-        # memory: the caller holds _MEMORY_LOCK, so check-then-write is atomic
+        # memory: the caller holds MEMORY_LOCK, so check-then-write is atomic
         if self._fs.isfile(path):
             return False
         self._fs.pipe_file(path, data)
@@ -734,22 +474,3 @@ def _capture(fn: Callable[[], T]) -> T | Exception:
     except Exception as exc:
         return exc
 
-
-@contextmanager
-def _file_temp(path: str, data: bytes) -> Iterator[str]:
-    """Write ``data`` to a fresh temp file beside ``path`` and yield its name; the
-    temp file is removed afterwards whether or not it was renamed or linked.
-
-    No fsync: the guarantee is against readers seeing half an object and against
-    killed processes, not against power loss of the machine.
-    """
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.{_TMP_MARK}{uuid.uuid4().hex}"
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-        yield tmp
-    finally:
-        with suppress(FileNotFoundError):
-            os.unlink(tmp)

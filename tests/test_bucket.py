@@ -1,4 +1,4 @@
-"""Bucket set-up (storage/bucket.py) against the S3 server, and the local stack's
+"""Bucket set-up (infra/bucket.py) against the S3 server, and the local stack's
 compose file (infra/minio/), which cannot run here (no Docker) but can be read.
 
 Each S3 test creates buckets of its own (``diloco-bt-<random>``), so it never
@@ -11,6 +11,7 @@ import fnmatch
 import json
 import os
 import re
+import sys
 import uuid
 from contextlib import suppress
 from pathlib import Path
@@ -21,12 +22,20 @@ import pytest
 import yaml
 
 from storage import layout
-from storage.bucket import (
+
+# infra/ is not an installed package: importable from the repository root,
+# which `python -m pytest` puts on sys.path and the `pytest` script does not.
+ROOT = str(Path(__file__).resolve().parent.parent)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from infra.bucket import (  # noqa: E402
     apply_bucket_policy,
     apply_lifecycle,
     bucket_policy,
     ensure_bucket,
     lifecycle_rule,
+    main,
     role_policies,
 )
 
@@ -235,6 +244,48 @@ def test_bucket_policy_applies_and_reads_back(s3_client, fresh_bucket):
     assert stored == policy
     with pytest.raises(ValueError, match="unknown role"):
         bucket_policy(fresh_bucket, "runs", {"admin": "arn:aws:iam::1:user/x"})
+
+
+# -- python -m infra.bucket ---------------------------------------------------------------
+
+
+def test_cli_policies_writes_one_file_per_role(tmp_path, capsys):
+    out = tmp_path / "policies"
+    assert main(["policies", "--bucket", "bkt", "--prefix", "runs",
+                 "--workers", "w1, w2", "--out", str(out)]) == 0
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["aggregator.json", "reader.json", "worker-w1.json", "worker-w2.json"]
+    expected = role_policies("bkt", "runs", workers=["w1", "w2"])
+    assert json.loads((out / "worker-w2.json").read_text()) == expected["worker:w2"]
+    assert json.loads((out / "aggregator.json").read_text()) == expected["aggregator"]
+    assert "worker:w1: " in capsys.readouterr().err
+    # without --out, every role's document goes to stdout as one JSON object
+    assert main(["policies", "--bucket", "bkt", "--prefix", "runs", "--workers", "w1"]) == 0
+    assert json.loads(capsys.readouterr().out) == role_policies("bkt", "runs", workers=["w1"])
+
+
+def test_cli_bucket_policy_collects_principals(capsys):
+    arn1, arn2 = "arn:aws:iam::1:role/w1", "arn:aws:iam::1:role/w1b"
+    assert main(["bucket-policy", "--bucket", "bkt", "--prefix", "runs",
+                 "--principal", f"worker:w1={arn1}", "--principal", f"worker:w1={arn2}"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == bucket_policy("bkt", "runs", {"worker:w1": [arn1, arn2]})
+    with pytest.raises(SystemExit, match="expected ROLE=ARN"):
+        main(["bucket-policy", "--bucket", "bkt", "--principal", "reader"])
+
+
+@pytest.mark.s3
+def test_cli_create_and_lifecycle(s3_endpoint, s3_env, fresh_bucket, monkeypatch, capsys):
+    for name, value in s3_env.items():
+        monkeypatch.setenv(name, value)
+    endpoint, _ = s3_endpoint
+    where = ["--endpoint", endpoint, "--region", "us-east-1"]
+    assert main([*where, "create", "--bucket", fresh_bucket]) == 0
+    assert main([*where, "create", "--bucket", fresh_bucket]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"bucket {fresh_bucket}: created", f"bucket {fresh_bucket}: exists"]
+    assert main([*where, "lifecycle", "--bucket", fresh_bucket, "--prefix", "runs"]) == 0
+    assert json.loads(capsys.readouterr().out) == lifecycle_rule("runs")
 
 
 # -- infra/minio/docker-compose.yml --------------------------------------------------------

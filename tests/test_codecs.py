@@ -1,4 +1,4 @@
-"""Blockwise codecs (storage/codecs.py, ALGORITHMS.md section 5).
+"""Blockwise codecs (storage/codecs.py, quantizers.py, zarr_codec.py; ALGORITHMS.md section 5).
 
 The fast codecs use bit tricks and chunking; ``ref_encode``/``ref_decode`` below
 are the formulas of section 5 written out plainly, and the fast path must match
@@ -16,16 +16,16 @@ import zarr.storage
 
 from storage.codecs import (
     CODEC_NAMES,
-    FP4_MAGNITUDES,
     CodecSpec,
     decode,
     encode,
     encoded_nbytes,
     roundtrip,
     stable_seed,
-    zarr_array_codecs,
 )
 from storage.errors import CorruptObject, NonFiniteValues
+from storage.quantizers import FP4_MAGNITUDES
+from storage.zarr_codec import zarr_array_codecs
 
 F32 = np.float32
 F32_MAX = np.finfo(F32).max

@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 from botocore.exceptions import ClientError
+from tenacity import RetryCallState, Retrying
 
 from storage.errors import ObjectMissing, TransientStoreError
-from storage.objectstore import ObjectStore, RetryPolicy, is_transient
+from storage.objectstore import ObjectStore, RetryPolicy
+from storage.retry import is_transient
 from storage.traffic import TrafficCounter
 
 FAST = RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.005)
@@ -396,6 +398,21 @@ def test_get_many_retries_only_the_failed_keys(make_store, monkeypatch):
     assert store.get_many(list(items)) == items
     assert len(seen) == 6 + 2
     assert store.traffic.retries == 2
+
+
+def test_retry_policy_backoff_bounds():
+    """After the n-th failure the wait is c * U(0.5, 1), c = min(max_delay,
+    base_delay * 2**(n-1)). base 0.2, max 1.0: c = 0.2, 0.4, 0.8, then 1.0 (capped)."""
+    policy = RetryPolicy(attempts=6, base_delay=0.2, max_delay=1.0)
+    wait = policy.wait()
+    state = RetryCallState(Retrying(), None, (), {})
+    for n, ceiling in ((1, 0.2), (2, 0.4), (3, 0.8), (4, 1.0), (9, 1.0)):
+        state.attempt_number = n
+        waits = [wait(state) for _ in range(200)]
+        assert all(ceiling / 2 <= w <= ceiling for w in waits), (n, min(waits), max(waits))
+        assert max(waits) - min(waits) > ceiling / 10  # jittered, not fixed
+    with pytest.raises(ValueError, match="attempts must be >= 1"):
+        RetryPolicy(attempts=0)
 
 
 def test_is_transient_classification():

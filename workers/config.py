@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from diloco.config import SyncConfig
+from diloco.strict import names_unknown_fields
 from workers.model import PRESETS, ModelConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -26,17 +27,7 @@ class _Strict(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _known_fields(cls, data: object) -> object:
-        if isinstance(data, dict):
-            unknown = sorted(set(data) - set(cls.model_fields))
-            if unknown:
-                raise ValueError(
-                    f"unknown field(s) {', '.join(unknown)}; allowed: "
-                    f"{', '.join(cls.model_fields)}"
-                )
-        return data
+    _known_fields = names_unknown_fields()
 
 
 class ModelSection(_Strict):

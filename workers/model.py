@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, model_validator
 from torch import nn
 
+from diloco.strict import names_unknown_fields
+
 
 class ModelConfig(BaseModel):
     """Shape of the model. The defaults are the ``tiny`` preset.
@@ -52,17 +54,7 @@ class ModelConfig(BaseModel):
     init_std: float = 0.02
     dropout: float = 0.0
 
-    @model_validator(mode="before")
-    @classmethod
-    def _known_fields(cls, data: object) -> object:
-        if isinstance(data, dict):
-            unknown = sorted(set(data) - set(cls.model_fields))
-            if unknown:
-                raise ValueError(
-                    f"unknown field(s) {', '.join(unknown)}; allowed: "
-                    f"{', '.join(cls.model_fields)}"
-                )
-        return data
+    _known_fields = names_unknown_fields()
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:

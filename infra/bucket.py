@@ -1,10 +1,21 @@
 """Setting up a bucket for runs: create it, clean up after failed uploads, and
 give each role only the access it needs.
 
-This is the one-off administration a user does before the first run (or that
-`infra/minio/` does for the local stack); the training path never calls it and
-never needs more than `ObjectStore`. It uses boto3 directly because bucket
-configuration (lifecycle, policies) is outside what fsspec offers.
+This is the one-off administration a user does before the first run (and what
+the local stack in `infra/minio/` uses for its per-role users); the training path
+never calls it and never needs more than `ObjectStore`. It uses boto3 directly
+because bucket configuration (lifecycle, policies) is outside what fsspec offers.
+Credentials and the endpoint come from the usual ``AWS_*`` variables
+(``AWS_ENDPOINT_URL_S3`` for MinIO).
+
+From the repository root::
+
+    python -m infra.bucket create --bucket diloco
+    python -m infra.bucket lifecycle --bucket diloco --prefix runs --abort-multipart-days 1
+    python -m infra.bucket policies --bucket diloco --prefix runs --workers region-a,region-b \
+        --out policies/     # reader.json, aggregator.json, worker-region-a.json, ...
+    python -m infra.bucket bucket-policy --bucket diloco --prefix runs \
+        --principal aggregator=arn:aws:iam::123456789012:role/agg [--apply]
 
 Roles, as the exchange protocol uses the bucket (see `storage/layout.py`):
 
@@ -22,8 +33,11 @@ they work for IAM roles, MinIO users, and any worker naming scheme.
 
 from __future__ import annotations
 
+import argparse
 import json
-from collections.abc import Iterable, Mapping
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -288,3 +302,86 @@ def apply_bucket_policy(
     """Install ``policy`` (e.g. from `bucket_policy`) as the bucket's policy."""
     s3 = _client(client, endpoint_url, region)
     s3.put_bucket_policy(Bucket=bucket, Policy=json.dumps(policy))
+
+
+# -- command line ----------------------------------------------------------------------
+
+
+def policy_file_name(role: str) -> str:
+    """``worker:region-a`` -> ``worker-region-a.json`` (a name ``mc`` and shells take)."""
+    return role.replace(":", "-") + ".json"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m infra.bucket",
+        description="Bucket administration for diloco-flows runs (see infra/minio/README.md).",
+    )
+    parser.add_argument("--endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL_S3 etc.)")
+    parser.add_argument("--region", help="region of the bucket (default: the AWS configuration)")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+
+    def verb(name: str, help_text: str, prefix: bool = True) -> argparse.ArgumentParser:
+        sub = verbs.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--bucket", required=True)
+        if prefix:
+            sub.add_argument("--prefix", default="", help="where the runs live in the bucket")
+        return sub
+
+    verb("create", "create the bucket if it does not exist", prefix=False)
+    lifecycle = verb("lifecycle", "abort stale multipart uploads (and expire) under a prefix")
+    lifecycle.add_argument("--abort-multipart-days", type=int, default=1)
+    lifecycle.add_argument("--expire-days", type=int, default=None)
+    policies = verb("policies", "IAM/MinIO policy documents per role (reader, aggregator, workers)")
+    policies.add_argument("--workers", default="", help="comma-separated worker names")
+    policies.add_argument("--out", type=Path, help="write one <role>.json per role into this folder")
+    bucket = verb("bucket-policy", "one bucket policy granting principals their roles")
+    bucket.add_argument(
+        "--principal", action="append", default=[], metavar="ROLE=ARN", required=True,
+        help="e.g. worker:region-a=arn:aws:iam::1:role/w (repeat for each principal)",
+    )
+    bucket.add_argument("--apply", action="store_true", help="install it on the bucket")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one verb; JSON goes to stdout, one-line results to stderr."""
+    args = _parser().parse_args(argv)
+    where = {"endpoint_url": args.endpoint, "region": args.region}
+    if args.verb == "create":
+        created = ensure_bucket(args.bucket, **where)
+        print(f"bucket {args.bucket}: {'created' if created else 'exists'}", file=sys.stderr)
+    elif args.verb == "lifecycle":
+        rule = apply_lifecycle(
+            args.bucket, args.prefix, abort_multipart_days=args.abort_multipart_days,
+            expire_days=args.expire_days, **where,
+        )
+        print(json.dumps(rule, indent=2))
+    elif args.verb == "policies":
+        workers = [w.strip() for w in args.workers.split(",") if w.strip()]
+        documents = role_policies(args.bucket, args.prefix, workers)
+        if args.out is None:
+            print(json.dumps(documents, indent=2))
+        else:
+            args.out.mkdir(parents=True, exist_ok=True)
+            for role, document in documents.items():
+                path = args.out / policy_file_name(role)
+                path.write_text(json.dumps(document, indent=2) + "\n")
+                print(f"{role}: {path}", file=sys.stderr)
+    else:
+        principals: dict[str, list[str]] = {}
+        for item in args.principal:
+            role, sep, arn = item.partition("=")
+            if not sep or not arn:
+                raise SystemExit(f"--principal {item!r}: expected ROLE=ARN")
+            principals.setdefault(role, []).append(arn)
+        policy = bucket_policy(args.bucket, args.prefix, principals)
+        print(json.dumps(policy, indent=2))
+        if args.apply:
+            apply_bucket_policy(args.bucket, policy, **where)
+            print(f"bucket {args.bucket}: policy installed", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""From a store URL to an open fsspec filesystem, and the rules keys must follow.
+
+`ObjectStore` runs on three backends (see its module docstring); this module
+holds what differs between them before the first byte moves: which scheme a URL
+names, the credentials a URL may carry (taken out, never kept in the URL or in
+logs), the s3fs filesystem configured so that our retry layer is the only one,
+the key rules that keep every key inside the store root, and the few pieces
+the file and memory backends need to make writes atomic.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+import fsspec
+from botocore.exceptions import ClientError
+
+SCHEMES = ("memory", "file", "s3")
+
+#: Marker in the names of in-flight temp files of the file backend; keys may not
+#: contain it, and listings skip it.
+TMP_MARK = "~tmp~"
+_GLOB_CHARS = frozenset("*?[]")
+
+#: fsspec's memory filesystem is one dict per process; this lock makes create-only
+#: writes atomic and keeps listings from iterating a dict another thread is changing.
+MEMORY_LOCK = threading.RLock()
+
+
+@dataclass(frozen=True)
+class Backend:
+    """An opened store URL: the scheme, the URL as shown in messages (no
+    credentials), the fsspec filesystem and the root path inside it."""
+
+    kind: str
+    url: str
+    fs: fsspec.AbstractFileSystem
+    root: str
+
+
+def open_backend(url: str, storage_options: dict | None = None) -> Backend:
+    """Open ``url`` (``s3://``, ``file://``, ``memory://`` or a plain path).
+
+    Credentials in an S3 URL (``s3://KEY:SECRET@bucket/p``) are used unless
+    ``storage_options`` names its own, and never stay in `Backend.url`.
+    """
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"store URL must be a non-empty string, got {url!r}")
+    kind = _scheme_of(url)
+    url, url_key, url_secret = _split_credentials(url)
+    shown = _clean_url(url)
+    options = dict(storage_options or {})
+    if kind == "s3":
+        if url_key and not options.get("key"):
+            options["key"] = url_key
+        if url_secret and not options.get("secret"):
+            options["secret"] = url_secret
+        fs = s3_filesystem(options)
+        root = type(fs)._strip_protocol(url).rstrip("/")
+        if not root:
+            raise ValueError(f"store URL {shown!r} names no bucket (s3://bucket/prefix)")
+    else:
+        fs = fsspec.filesystem(kind, **options)
+        root = type(fs)._strip_protocol(url).rstrip("/")
+        if kind == "file":
+            root = os.path.abspath(root or "/")
+    return Backend(kind=kind, url=shown, fs=fs, root=root)
+
+
+def validate_key(key: str, *, what: str = "key") -> str:
+    """Reject keys that could escape the store root or be misread by fsspec.
+
+    Keys are '/'-separated relative paths: no leading '/', no empty, '.' or '..'
+    segments, no glob characters (fsspec would expand them), no control characters.
+    """
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"{what} must be a non-empty string, got {key!r}")
+    if key.startswith("/"):
+        raise ValueError(f"{what} {key!r} must be relative (no leading '/')")
+    for segment in key.split("/"):
+        if segment == "":
+            raise ValueError(f"{what} {key!r} has an empty path segment")
+        if segment in (".", ".."):
+            raise ValueError(f"{what} {key!r} may not contain '{segment}' segments")
+    bad = sorted({c for c in key if c in _GLOB_CHARS or ord(c) < 32 or c == "\\"})
+    if bad:
+        raise ValueError(f"{what} {key!r} contains forbidden characters {bad!r}")
+    if TMP_MARK in key:
+        raise ValueError(f"{what} {key!r} may not contain {TMP_MARK!r} (temp-file marker)")
+    return key
+
+
+def is_precondition_failed(exc: BaseException) -> bool:
+    """A create-only write found the key present: S3 answers 412 PreconditionFailed,
+    which s3fs turns into FileExistsError (or OSError(EINVAL) when the response
+    lacks the Condition field)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, FileExistsError):
+            return True
+        response = getattr(current, "response", None)
+        if isinstance(current, ClientError) and isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return code in ("PreconditionFailed", "412") or status == 412
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _split_credentials(url: str) -> tuple[str, str | None, str | None]:
+    """``s3://KEY:SECRET@bucket/p`` -> (``s3://bucket/p``, KEY, SECRET)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url, None, None
+    netloc, slash, path = rest.partition("/")
+    userinfo, at, host = netloc.rpartition("@")
+    if not at:
+        return url, None, None
+    key, colon, secret = userinfo.partition(":")
+    return (
+        f"{scheme}://{host}{slash}{path}",
+        unquote(key) or None,
+        unquote(secret) if colon else None,
+    )
+
+
+def _strip_credentials(url: str) -> str:
+    return _split_credentials(url)[0]
+
+
+def _clean_url(url: str) -> str:
+    """Without credentials or trailing slashes (``memory://`` stays as it is)."""
+    url = _strip_credentials(url)
+    scheme, sep, rest = url.partition("://")
+    if sep:
+        return f"{scheme}://{rest.rstrip('/')}"
+    return url.rstrip("/") or url
+
+
+def _scheme_of(url: str) -> str:
+    if "://" not in url:
+        return "file"
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"unsupported store URL {_strip_credentials(url)!r}: scheme {scheme!r} is not "
+            f"one of {', '.join(s + '://' for s in SCHEMES)} (or a plain local path)"
+        )
+    return scheme
+
+
+def s3_filesystem(storage_options: dict[str, Any]) -> fsspec.AbstractFileSystem:
+    """An s3fs filesystem whose only retry layer is ours.
+
+    botocore retries 5xx by itself and s3fs retries again around it; stacked under
+    `RetryPolicy` that would be up to ~150 attempts, hide retries from the traffic
+    counter, and make "gave up after N attempts" a lie. So botocore gets
+    ``total_max_attempts=1`` (unless the caller configured retries) and s3fs's own
+    loop is set to a single attempt.
+
+    The endpoint comes from ``endpoint_url`` or ``client_kwargs``, else from
+    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``. botocore would read those
+    itself (checked with s3fs 2026.9 / aiobotocore 3.10), but fsspec caches
+    filesystem instances by their options, so an endpoint left to the environment
+    would let a later store with a different environment reuse a client pointed
+    at the old endpoint. Writing it into the options makes it part of the key.
+
+    The filesystem instance is fsspec's cached one for these options, shared by all
+    stores with the same options: s3fs runs its requests on its own IO thread and is
+    safe to call from several threads, and one instance means one connection pool
+    (``skip_instance_cache`` would open a new pool per store and leak them).
+    """
+    options = dict(storage_options)
+    options["use_listings_cache"] = False  # listings must always be fresh
+    client_kwargs = options.get("client_kwargs") or {}
+    ignore_env = os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true"
+    if not options.get("endpoint_url") and not client_kwargs.get("endpoint_url") and not ignore_env:
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            options["endpoint_url"] = endpoint
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
+    options["config_kwargs"] = config
+    fs = fsspec.filesystem("s3", **options)
+    fs.retries = 1
+    return fs
+
+
+@contextmanager
+def file_temp(path: str, data: bytes) -> Iterator[str]:
+    """Write ``data`` to a fresh temp file beside ``path`` and yield its name; the
+    temp file is removed afterwards whether or not it was renamed or linked.
+
+    No fsync: the guarantee is against readers seeing half an object and against
+    killed processes, not against power loss of the machine.
+    """
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.{TMP_MARK}{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+        yield tmp
+    finally:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp)

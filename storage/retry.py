@@ -1,0 +1,201 @@
+"""Which store errors are worth another attempt, and how patiently to retry them.
+
+Object stores fail transiently all the time: a 503 SlowDown under load, a 500
+InternalError, a connection reset in the middle of a body. `is_transient` is our
+verdict on one exception (it knows what s3fs and botocore make of S3's answers);
+`RetryPolicy` turns that verdict into a tenacity ``Retrying``: a bounded number
+of attempts, exponential backoff with jitter between them, and a
+`TransientStoreError` naming the operation when the attempts are used up.
+
+`ObjectStore` is the one that runs it: it counts every attempt in its traffic
+counter and logs every retry with the store's name and the key's URL.
+"""
+
+from __future__ import annotations
+
+import errno
+import http.client
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from botocore.exceptions import ClientError, HTTPClientError
+from botocore.parsers import ResponseParserError
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+    wait_random_exponential,
+)
+from tenacity.wait import wait_base
+
+from storage.errors import TransientStoreError
+
+try:  # aiobotocore speaks aiohttp; its payload/connection errors are transient
+    from aiohttp import ClientConnectionError, ClientPayloadError
+
+    _AIOHTTP_TRANSIENT: tuple[type[BaseException], ...] = (
+        ClientConnectionError,
+        ClientPayloadError,
+    )
+except ImportError:  # pragma: no cover - aiohttp comes with aiobotocore
+    _AIOHTTP_TRANSIENT = ()
+
+#: S3 error codes worth another attempt. SlowDown/ServiceUnavailable are 503s,
+#: InternalError a 500, the two 409s are documented by AWS as "retry the upload".
+TRANSIENT_S3_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "ConditionalRequestConflict",
+        "OperationAborted",
+    }
+)
+
+#: errno values that mean "the network or the server hiccupped". EBUSY and
+#: EREMOTEIO are what s3fs.errors.translate_boto_error turns SlowDown/503 and
+#: InternalError/500 into when it drops the botocore cause.
+TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.ECONNRESET,
+        errno.ETIMEDOUT,
+        errno.EPIPE,
+        errno.ECONNREFUSED,
+        errno.EAGAIN,
+        errno.EBUSY,
+        getattr(errno, "EREMOTEIO", errno.EIO + 1000),
+    }
+)
+
+# Decisive exception types. OSError subclasses first: they are what s3fs makes of
+# 404/403/412, and what a retry can never fix.
+_NEVER_TRANSIENT: tuple[type[BaseException], ...] = (
+    FileNotFoundError,
+    PermissionError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    ValueError,
+    TypeError,
+)
+# ConnectionError covers ConnectionResetError/RefusedError/AbortedError and
+# BrokenPipeError; TimeoutError is asyncio.TimeoutError and fsspec's FSTimeoutError;
+# HTTPClientError covers botocore's EndpointConnectionError, ConnectionClosedError,
+# ReadTimeoutError and ConnectTimeoutError, which s3fs lets through untranslated.
+# ResponseParserError: throttling responses sometimes carry broken XML (s3fs #484).
+_TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
+    ConnectionError,
+    TimeoutError,
+    HTTPClientError,
+    ResponseParserError,
+    http.client.IncompleteRead,
+    *_AIOHTTP_TRANSIENT,
+)
+
+
+def _client_error_verdict(exc: BaseException) -> bool | None:
+    response = getattr(exc, "response", None)
+    if not isinstance(exc, ClientError) or not isinstance(response, dict):
+        return None
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    if code in TRANSIENT_S3_CODES or code in ("500", "502", "503", "504"):
+        return True
+    # 501 NotImplemented is a server that lacks a feature: retrying cannot help.
+    return status == 429 or (status >= 500 and status != 501)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True if ``exc`` is a fault worth retrying (5xx, throttling, a dropped
+    connection), False for anything a retry cannot fix (missing key, access
+    denied, precondition failed, bad request).
+
+    Walks the exception and its causes in order; the first one that says
+    something decides. That matters for s3fs, which re-raises botocore's
+    ``ClientError`` as an ``OSError`` whose ``__cause__`` is the original.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen and len(seen) < 16:
+        seen.add(id(current))
+        if isinstance(current, _NEVER_TRANSIENT):
+            return False
+        verdict = _client_error_verdict(current)
+        if verdict is not None:
+            return verdict
+        if isinstance(current, _TRANSIENT_TYPES):
+            return True
+        if isinstance(current, OSError) and current.errno in TRANSIENT_ERRNOS:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently to retry transient store errors.
+
+    Attempt ``i`` (counting from 0) that fails waits about
+    ``min(max_delay, base_delay * 2**i)`` seconds, scaled by a random factor in
+    [0.5, 1] so that workers that failed together do not retry together.
+    ``attempts`` counts every try, the first one included.
+    """
+
+    attempts: int = 6
+    base_delay: float = 0.2
+    max_delay: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
+        if self.base_delay < 0 or self.max_delay < 0:
+            raise ValueError("RetryPolicy delays must be >= 0")
+
+    def wait(self) -> wait_base:
+        """The backoff as a tenacity wait: ``c/2 + uniform(0, c/2)`` with
+        ``c = min(max_delay, base_delay * 2**(n - 1))`` after the n-th failed
+        attempt, which is ``c`` times a factor uniform in [0.5, 1] ("equal jitter":
+        never less than half the backoff, unlike tenacity's full-jitter
+        ``wait_random_exponential`` alone)."""
+        half, half_max = self.base_delay / 2, self.max_delay / 2
+        return wait_exponential(multiplier=half, max=half_max) + wait_random_exponential(
+            multiplier=half, max=half_max
+        )
+
+    def retrying(
+        self,
+        *,
+        describe: Callable[[BaseException], str],
+        before_sleep: Callable[[RetryCallState], None],
+        retry_on: Callable[[BaseException], bool] = is_transient,
+    ) -> Retrying:
+        """A tenacity ``Retrying`` for one store operation.
+
+        It retries the exceptions ``retry_on`` calls transient, calling
+        ``before_sleep`` before each wait (count and log there); any other
+        exception propagates unchanged at once. When the attempts are used up it
+        raises `TransientStoreError` ``"<describe(last error)> failed after N
+        attempts; last error: <type>: <message>"`` from the last error.
+        """
+
+        def give_up(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            assert exc is not None  # tenacity gives up only after a failed attempt
+            raise TransientStoreError(
+                f"{describe(exc)} failed after {self.attempts} attempts; last error: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+        return Retrying(
+            stop=stop_after_attempt(self.attempts),
+            wait=self.wait(),
+            retry=retry_if_exception(retry_on),
+            before_sleep=before_sleep,
+            retry_error_callback=give_up,
+        )
