@@ -26,7 +26,7 @@ from flows.train import JobFailed, continuation, create, latest_run, run_train
 from storage.checkpoints import read_checkpoint
 from workers import checkpoint
 from workers.config import load_config
-from workers.data import prepare_data
+from workers.data.prepare import prepare_data
 from workers.model import build_model
 from workers.status import read_all
 

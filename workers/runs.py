@@ -15,7 +15,9 @@ from diloco.run import new_run, plan_for
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
 from workers.config import RunConfig
-from workers.data import DatasetMissing, open_dataset, prepare_data
+from workers.data.errors import DatasetMissing
+from workers.data.prepare import prepare_data
+from workers.data.streams import open_dataset
 from workers.model import Transformer, build_model, describe
 
 log = logging.getLogger(__name__)
