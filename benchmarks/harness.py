@@ -165,7 +165,9 @@ def default_data_dir() -> Path:
 
 def ensure_dataset(where: Path | None = None) -> str:
     """The byte-level Shakespeare dataset, prepared once into a local directory."""
-    from workers.data import DatasetMissing, open_dataset, prepare_data  # noqa: PLC0415
+    from workers.data.errors import DatasetMissing  # noqa: PLC0415
+    from workers.data.prepare import prepare_data  # noqa: PLC0415
+    from workers.data.streams import open_dataset  # noqa: PLC0415
 
     where = (where or default_data_dir()) / "shakespeare-byte"
     url = where.as_uri()
@@ -320,7 +322,7 @@ def canonical_eval(run_url: str, cfg, storage_options: dict | None = None) -> fl
     import torch  # noqa: PLC0415
 
     from diloco.run import load_canonical, open_exchange, plan_for  # noqa: PLC0415
-    from workers.data import open_dataset, val_batches  # noqa: PLC0415
+    from workers.data.streams import open_dataset, val_batches  # noqa: PLC0415
     from workers.model import build_model  # noqa: PLC0415
     from workers.train import evaluate  # noqa: PLC0415
 

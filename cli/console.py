@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 
 from tracking.mlflow_hooks import tracking_enabled
+from workers.data.errors import DataError
 
 # In a terminal, its width; piped (CI, tests, logs), wide enough for the tables.
 console = Console(width=None if sys.stdout.isatty() else 110)
@@ -45,7 +46,6 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from flows.launchers import LaunchError  # noqa: PLC0415
     from storage.errors import ManifestInvalid, RunExists  # noqa: PLC0415
     from workers.config import ConfigError  # noqa: PLC0415 - torch
-    from workers.data import DataError  # noqa: PLC0415 - torch
     from workers.locate import RunNotFound, StoreUnreachable  # noqa: PLC0415 - torch
 
     return (ConfigError, RunNotFound, StoreUnreachable, RunExists, ManifestInvalid, DataError,

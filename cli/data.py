@@ -9,6 +9,7 @@ import typer
 from rich.progress import Progress
 
 from cli.console import console, fail, user_errors
+from workers.data.prepare import prepare_data as prepare
 
 
 def prepare_data(
@@ -23,8 +24,6 @@ def prepare_data(
     max_bytes: Annotated[int | None, typer.Option(help="stop after N bytes of text")] = None,
 ) -> None:
     """Tokenise text into a dataset in a store (what a run's data.dataset points at)."""
-    from workers.data import prepare_data as prepare  # noqa: PLC0415 - torch
-
     try:
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("tokenising", total=None)

@@ -64,7 +64,7 @@ class CanonicalEval:
         import torch  # noqa: PLC0415
 
         from workers.config import RunConfig  # noqa: PLC0415
-        from workers.data import open_dataset, val_batches  # noqa: PLC0415
+        from workers.data.streams import open_dataset, val_batches  # noqa: PLC0415
         from workers.model import build_model  # noqa: PLC0415
 
         cfg = RunConfig.model_validate(exchange.manifest.config)

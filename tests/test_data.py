@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -19,18 +21,9 @@ import torch
 
 from storage.errors import CorruptObject
 from storage.objectstore import ObjectStore
-from workers.data import (
-    CorpusNotInstalled,
-    DatasetExists,
-    DatasetMissing,
-    SourceNotFound,
-    TokenDataset,
-    WorkerStream,
-    main,
-    open_dataset,
-    prepare_data,
-    val_batches,
-)
+from workers.data.errors import CorpusNotInstalled, DatasetExists, DatasetMissing, SourceNotFound
+from workers.data.prepare import main, prepare_data
+from workers.data.streams import TokenDataset, WorkerStream, open_dataset, val_batches
 from workers.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 BYTE = ByteTokenizer()
@@ -357,3 +350,17 @@ def test_command_line(
     with pytest.raises(SystemExit) as exit_info:
         main(["prepare", "--help"])
     assert exit_info.value.code == 0 and "--val-fraction" in capsys.readouterr().out
+
+
+def test_module_entry_runs_the_prepare_command(two_files: list[Path], tmp_path: Path) -> None:
+    """``python -m workers.data prepare`` (the README's command) reaches `main`."""
+    out = tmp_path / "ds"
+    run = subprocess.run(
+        [sys.executable, "-m", "workers.data", "prepare", str(two_files[0]), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "[1/1]" in run.stderr and f"dataset    {out}" in run.stdout
+    assert open_dataset(out.as_uri()).files[0].name == str(two_files[0])

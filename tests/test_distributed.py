@@ -18,7 +18,7 @@ import torch
 from diloco.aggregator import Aggregator
 from diloco.run import open_exchange
 from workers.config import load_config
-from workers.data import prepare_data
+from workers.data.prepare import prepare_data
 from workers.runs import create_run
 
 ROOT = Path(__file__).resolve().parent.parent

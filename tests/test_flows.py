@@ -24,7 +24,7 @@ from storage.checkpoints import read_checkpoint
 from tracking.hooks import Hooks
 from workers import checkpoint
 from workers.config import load_config
-from workers.data import prepare_data
+from workers.data.prepare import prepare_data
 from workers.locate import RunNotFound, new_run_url, open_run, resolve_run
 from workers.model import build_model
 from workers.report import build_report, participation

@@ -17,7 +17,7 @@ import pytest
 from diloco.aggregator import Aggregator
 from diloco.run import open_exchange
 from workers.config import load_config
-from workers.data import prepare_data
+from workers.data.prepare import prepare_data
 from workers.runs import create_run
 from workers.train import Interrupted, WorkerLoop, lr_at
 

@@ -21,7 +21,9 @@ from diloco.run import load_canonical, new_run, plan_for
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
 from workers.config import ConfigError, RunConfig, load_config
-from workers.data import DatasetMissing, open_dataset, prepare_data
+from workers.data.errors import DatasetMissing
+from workers.data.prepare import prepare_data
+from workers.data.streams import open_dataset
 from workers.locate import absolute, open_run
 from workers.model import Transformer, build_model, describe
 from workers.report import snapshot

@@ -38,7 +38,7 @@ from diloco.schedule import Schedule
 from storage.objectstore import ObjectStore
 from workers import checkpoint
 from workers.config import RunConfig
-from workers.data import WorkerStream, open_dataset, val_batches
+from workers.data.streams import WorkerStream, open_dataset, val_batches
 from workers.model import Transformer, build_model, describe
 from workers.status import StatusBoard
 

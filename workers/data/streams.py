@@ -1,0 +1,314 @@
+"""What a worker reads: an opened dataset, its training stream and the val batches.
+
+`open_dataset` loads the verified arrays into memory. `WorkerStream` gives one
+worker its part of the train tokens (split ``even`` or ``by_file``), as random
+windows that are a pure function of (seed, worker, batch index), so a resumed
+worker sees exactly the batches it would have seen: its `state_dict` is the data
+position a checkpoint keeps. `val_batches` gives every party the same fixed
+windows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import ValidationError
+
+from storage.arrays import read_array
+from storage.errors import ObjectMissing
+from storage.objectstore import ObjectStore
+from workers.data.errors import DatasetInvalid, DatasetMissing
+from workers.data.manifest import ARRAYS, MANIFEST, DatasetManifest
+
+
+@dataclass(frozen=True)
+class DatasetFile:
+    """One source file of a dataset and where its tokens are (``[start, end)``)."""
+
+    name: str
+    bytes: int
+    train: tuple[int, int]
+    val: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class TokenDataset:
+    """A prepared dataset, in memory and verified. See `open_dataset`."""
+
+    url: str
+    manifest: DatasetManifest
+    train_tokens: np.ndarray
+    train_offsets: np.ndarray
+    val_tokens: np.ndarray
+    val_offsets: np.ndarray
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest.tokenizer.vocab_size
+
+    @property
+    def tokenizer_spec(self) -> str:
+        return self.manifest.tokenizer.spec
+
+    @property
+    def files(self) -> list[DatasetFile]:
+        t, v = self.train_offsets.tolist(), self.val_offsets.tolist()
+        return [
+            DatasetFile(e.name, e.bytes, (t[i], t[i + 1]), (v[i], v[i + 1]))
+            for i, e in enumerate(self.manifest.files)
+        ]
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of the token arrays' contents (not of names or times): equal
+        fingerprints mean equal tokens."""
+        records = {k: a.record for k, a in self.manifest.arrays.items()}
+        return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def open_dataset(url: str, storage_options: dict | None = None) -> TokenDataset:
+    """Read and verify the dataset at ``url`` (every object's sha256, the offsets
+    against the file list, every id against the vocabulary).
+
+    Raises `DatasetMissing` if nothing was prepared at ``url``, `DatasetInvalid` if
+    ``dataset.json`` does not validate, and the storage errors of `read_array`
+    (`PartialObject`, `CorruptObject`) if an array does not check out.
+    """
+    store = ObjectStore(url, storage_options=storage_options, name="dataset")
+    where = store.full_url(MANIFEST)
+    try:
+        raw = store.get(MANIFEST)
+    except ObjectMissing:
+        raise DatasetMissing(
+            f"no dataset at {store.url}: {where} does not exist; prepare one with "
+            f"`python -m workers.data prepare SOURCE... --out {store.url}`"
+        ) from None
+    try:
+        manifest = DatasetManifest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise DatasetInvalid(f"{where} does not validate:\n{exc}") from exc
+    missing = [k for k in ARRAYS if k not in manifest.arrays]
+    if missing:
+        raise DatasetInvalid(f"{where} lists no arrays {missing}")
+    arrays = {
+        key: read_array(
+            store,
+            key,
+            manifest.arrays[key].record,
+            shape=tuple(manifest.arrays[key].shape),
+            dtype=manifest.arrays[key].dtype,
+            what=f"dataset {store.url}: {key}",
+        )
+        for key in ARRAYS
+    }
+    for split in ("train", "val"):
+        tokens, offsets = arrays[f"{split}/tokens"], arrays[f"{split}/offsets"]
+        counts = [getattr(e, f"{split}_tokens") for e in manifest.files]
+        expected = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        if offsets.shape != expected.shape or not np.array_equal(offsets, expected):
+            raise DatasetInvalid(f"{where}: {split}/offsets disagree with the files' token counts")
+        if len(tokens) != expected[-1]:
+            raise DatasetInvalid(
+                f"{where}: {split}/tokens has {len(tokens)} tokens, the files {expected[-1]}"
+            )
+        if tokens.dtype != np.dtype(manifest.dtype):
+            raise DatasetInvalid(f"{where}: {split}/tokens is {tokens.dtype}, not {manifest.dtype}")
+        if tokens.size and int(tokens.max()) >= manifest.tokenizer.vocab_size:
+            raise DatasetInvalid(
+                f"{where}: {split}/tokens holds id {int(tokens.max())}, outside the "
+                f"vocabulary of {manifest.tokenizer.vocab_size}"
+            )
+    return TokenDataset(
+        url=store.url,
+        manifest=manifest,
+        train_tokens=arrays["train/tokens"],
+        train_offsets=arrays["train/offsets"],
+        val_tokens=arrays["val/tokens"],
+        val_offsets=arrays["val/offsets"],
+    )
+
+
+# -- batches ----------------------------------------------------------------------
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
+    """x = tokens[s : s + seq_len], y = tokens[s + 1 : s + seq_len + 1] per start s."""
+    idx = starts[:, None] + np.arange(seq_len + 1, dtype=np.int64)
+    w = torch.from_numpy(tokens[idx].astype(np.int64))
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
+class WorkerStream:
+    """The training batches of worker ``worker_index`` of ``num_workers``.
+
+    ``split="even"``: the train tokens are cut into ``num_workers`` contiguous,
+    equal ranges (worker w gets ``[w*N//W, (w+1)*N//W)``); every worker sees the
+    same mix of files. ``split="by_file"``: file i goes to worker ``i %
+    num_workers``, so workers see different distributions (the non-i.i.d. case);
+    windows stay inside one file, and files shorter than ``seq_len + 1`` tokens
+    give none.
+
+    Batch b is ``batch_size`` windows of ``seq_len + 1`` tokens at random starts,
+    drawn uniformly over all windows of the worker's ranges from
+    ``np.random.default_rng([seed, worker_index, b])``: the stream is a pure
+    function of b, and `state_dict` only needs to remember b.
+    """
+
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        worker_index: int,
+        num_workers: int,
+        *,
+        split: Literal["even", "by_file"] = "even",
+        seq_len: int,
+        batch_size: int,
+        seed: int = 0,
+    ) -> None:
+        if num_workers < 1 or not 0 <= worker_index < num_workers:
+            raise ValueError(
+                f"worker_index must be in 0..num_workers-1, got {worker_index} of {num_workers}"
+            )
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.dataset = dataset
+        self.worker_index = worker_index
+        self.num_workers = num_workers
+        self.split = split
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.seed = seed
+        self.batch_index = 0
+        self.ranges = self._assign()
+        lengths = np.array([b - a for a, b in self.ranges], dtype=np.int64)
+        self._starts = np.array([a for a, _ in self.ranges], dtype=np.int64)
+        self._cum = np.cumsum(np.maximum(lengths - seq_len, 0))
+        self._lengths = lengths
+
+    def _assign(self) -> list[tuple[int, int]]:
+        w, n, ds = self.worker_index, self.num_workers, self.dataset
+        who = f"worker {w} of {n} (split {self.split!r})"
+        need = self.seq_len + 1
+        total = len(ds.train_tokens)
+        if self.split == "even":
+            a, b = w * total // n, (w + 1) * total // n
+            if b - a < need:
+                what = "no train tokens" if b == a else f"{b - a} train tokens"
+                raise ValueError(
+                    f"{who} gets {what}: {ds.url} has {total} train tokens for {n} workers, "
+                    f"and one sequence takes seq_len + 1 = {need}; use fewer workers, a "
+                    "shorter seq_len or more data"
+                )
+            return [(a, b)]
+        if self.split != "by_file":
+            raise ValueError(f"split must be 'even' or 'by_file', got {self.split!r}")
+        files = ds.files
+        mine = [f for i, f in enumerate(files) if i % n == w]
+        if not mine:
+            raise ValueError(
+                f"{who} gets no files: {ds.url} has {len(files)} files for {n} workers "
+                "(file i goes to worker i % num_workers); use at most "
+                f"{len(files)} workers or split='even'"
+            )
+        longest = max(f.train[1] - f.train[0] for f in mine)
+        if longest < need:
+            raise ValueError(
+                f"{who} gets {len(mine)} files with "
+                f"{sum(f.train[1] - f.train[0] for f in mine)} train tokens, but none holds "
+                f"one sequence of seq_len + 1 = {need} tokens (the longest has {longest}); "
+                "use a shorter seq_len or split='even'"
+            )
+        return [f.train for f in mine if f.train[1] - f.train[0] >= need]
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """Input tokens per batch: ``batch_size * seq_len``."""
+        return self.batch_size * self.seq_len
+
+    @property
+    def num_tokens(self) -> int:
+        """Train tokens this worker samples from."""
+        return int(self._lengths.sum())
+
+    def batch(self, batch_index: int) -> Batch:
+        """Batch number ``batch_index`` (does not move the stream)."""
+        rng = np.random.default_rng([self.seed, self.worker_index, batch_index])
+        picks = rng.integers(0, int(self._cum[-1]), size=self.batch_size, dtype=np.int64)
+        which = np.searchsorted(self._cum, picks, side="right")
+        before = np.where(which > 0, self._cum[which - 1], 0)
+        starts = self._starts[which] + (picks - before)
+        return _windows(self.dataset.train_tokens, starts, self.seq_len)
+
+    def next_batch(self) -> Batch:
+        """``(x, y)``, LongTensors of shape [batch_size, seq_len], y = x shifted by one."""
+        out = self.batch(self.batch_index)
+        self.batch_index += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "batch_index": self.batch_index,
+            "seed": self.seed,
+            "worker_index": self.worker_index,
+            "num_workers": self.num_workers,
+            "split": self.split,
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "dataset": self.dataset.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next batch is the one the saved stream would
+        have given next. Every other field present must match this stream (a
+        different seed or worker would silently give another stream)."""
+        mine = self.state_dict()
+        for key, value in state.items():
+            if key == "batch_index":
+                continue
+            if key not in mine:
+                raise ValueError(f"stream state: unknown field {key!r}; known: {sorted(mine)}")
+            if value != mine[key]:
+                raise ValueError(
+                    f"stream state: {key} = {value!r} was saved, but this stream has "
+                    f"{key} = {mine[key]!r}"
+                )
+        index = state.get("batch_index")
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise ValueError(f"stream state: batch_index must be an int >= 0, got {index!r}")
+        self.batch_index = index
+
+
+def val_batches(
+    dataset: TokenDataset, *, seq_len: int, batch_size: int, num_batches: int
+) -> list[Batch]:
+    """``num_batches`` fixed validation batches: ``batch_size * num_batches`` windows
+    at evenly spaced starts over the whole val split (the first at 0, the last
+    ending at its end). The same for every worker and the aggregator."""
+    if seq_len < 1 or batch_size < 1 or num_batches < 1:
+        raise ValueError(
+            f"seq_len, batch_size and num_batches must be >= 1, got {seq_len}, "
+            f"{batch_size}, {num_batches}"
+        )
+    total = len(dataset.val_tokens)
+    if total < seq_len + 1:
+        raise ValueError(
+            f"the val split of {dataset.url} has {total} tokens, fewer than one sequence of "
+            f"seq_len + 1 = {seq_len + 1}; prepare with a larger val_fraction or use a "
+            "shorter seq_len"
+        )
+    count = batch_size * num_batches
+    starts = np.linspace(0, total - seq_len - 1, count).round().astype(np.int64)
+    return [
+        _windows(dataset.val_tokens, starts[i * batch_size : (i + 1) * batch_size], seq_len)
+        for i in range(num_batches)
+    ]
