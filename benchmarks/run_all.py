@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.harness import RESULTS, ROOT
+from benchmarks.report import RESULTS, ROOT
 
 BENCHMARKS = ("codecs", "exchange", "quality", "traffic", "bandwidth")
 
