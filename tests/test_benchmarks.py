@@ -170,6 +170,17 @@ def test_run_all_commands():
     assert full[-2:] == ["--out", str(RESULTS / "codecs.json")]
 
 
+def test_run_all_refuses_unknown_names_with_the_allowed_ones(capsys):
+    """`python -m benchmarks.run_all --only codecs,speed`: exit 2 before anything runs,
+    naming the unknown and the allowed; an empty --only is refused the same way."""
+    for only, unknown in (("codecs,speed", "unknown speed"), (" , ", "unknown (empty)")):
+        with pytest.raises(SystemExit) as exit_:
+            run_all.main(["--only", only])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert unknown in err and "allowed: codecs, exchange, quality, traffic, bandwidth" in err
+
+
 def test_s3_server_binds_the_given_host():
     """The one moto server of tests and benchmarks, on another loopback address
     (127.0.0.2: all of 127/8 is loopback on Linux), as the benchmarks bind it to a
