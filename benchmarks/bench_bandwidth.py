@@ -16,7 +16,7 @@ available), so these are pure bandwidth limits.
 Each rung: create the run, start the workers uncapped and let them load the run
 (manifest, dataset from local disk, initial parameters, process group), then set
 the cap, release them together, and train ``--steps`` inner steps of the quality
-recipe (benchmarks/harness.py). Utilisation per worker is compute time / loop time
+recipe (benchmarks/recipe.py). Utilisation per worker is compute time / loop time
 as defined in benchmarks/timed_worker.py: everything except the calls that talk to
 the store or to other ranks. ``steady`` leaves out the final drain (the last rounds
 completed in ``finish()``, once per run however long it is); "keeps 95%" means the
@@ -39,8 +39,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import harness as h
 from benchmarks import netns
+from benchmarks.contenders import Contender, load, outcome, run_processes, tracking_hooks
+from benchmarks.recipe import MODE_LABELS, default_data_dir, ensure_dataset, reference_overrides
+from benchmarks.report import (
+    RESULTS,
+    cli_logging,
+    environment,
+    md_table,
+    publish,
+    stop_on_sigterm,
+    timed,
+)
+from tests.s3server import MotoS3Server
 
 log = logging.getLogger("benchmarks.bandwidth")
 DEFAULT_CAPS = "none,1000,300,100,30,10,3,1"
@@ -63,13 +74,13 @@ def cap_label(cap: float | None) -> str:
     return f"{cap / 1e9:g} Gbit/s" if cap >= 1e9 else f"{cap / 1e6:g} Mbit/s"
 
 
-def contenders(modes: Sequence[str], workers: int, sync_every: int) -> list[h.Contender]:
+def contenders(modes: Sequence[str], workers: int, sync_every: int) -> list[Contender]:
     out = []
     for mode in modes:
         if mode == "data-parallel":
-            out.append(h.Contender("data-parallel", workers=workers))
+            out.append(Contender("data-parallel", workers=workers))
         else:
-            out.append(h.Contender(mode, "int4", workers, sync_every))
+            out.append(Contender(mode, "int4", workers, sync_every))
     return out
 
 
@@ -86,17 +97,17 @@ def dp_steps(cap: float | None, steps: int, num_parameters: int, workers: int,
 class Bench:
     """The topology and the store shared by every rung."""
 
-    def __init__(self, topo: netns.Topology, server: h.MotoServer, logs: Path,
+    def __init__(self, topo: netns.Topology, server: MotoS3Server, logs: Path,
                  base: list[str], mlflow: bool = False):
         self.topo, self.server, self.logs, self.base = topo, server, logs, base
         self.mlflow = mlflow
         self.bucket = server.new_bucket()
         self._port = 29400
 
-    def rung(self, contender: h.Contender, cap: float | None, steps: int) -> dict[str, Any]:
+    def rung(self, contender: Contender, cap: float | None, steps: int) -> dict[str, Any]:
         from workers.runs import create_run  # noqa: PLC0415
 
-        cfg = h.load(contender, [*self.base, f"train.steps={steps}"])
+        cfg = load(contender, [*self.base, f"train.steps={steps}"])
         opts = self.server.options()
         # the cap is in the name, which names the MLflow run: `diloco compare` tells
         # the rungs apart ("...-10mbit-...", "...-uncapped-...")
@@ -112,9 +123,9 @@ class Bench:
             counters["before"] = [w.counters() for w in mine]
 
         self._port += 1  # a fresh rendezvous port for every data-parallel rung
-        hooks = h.tracking_hooks(run_url, cfg, opts) if self.mlflow else None
+        hooks = tracking_hooks(run_url, cfg, opts) if self.mlflow else None
         try:
-            results, agg, _ = h.run_processes(
+            results, agg, _ = run_processes(
                 contender, cfg, run_url, storage_options=opts,
                 prefixes=[w.prefix for w in mine], master=(mine[0].addr, self._port),
                 ifnames=[w.ns_if for w in mine], on_ready=cap_links, hooks=hooks,
@@ -122,7 +133,7 @@ class Bench:
             after = [w.counters() for w in mine]
         finally:
             self.topo.set_cap(None)
-        out = h.outcome(contender, cfg, run_url, results, agg, 0.0, opts)
+        out = outcome(contender, cfg, run_url, results, agg, 0.0, opts)
         if hooks:
             hooks.run_finished({"benchmark_contender": contender.name, "cap": cap_label(cap),
                                 "eval_loss": out.eval_loss})
@@ -134,7 +145,7 @@ class Bench:
                          out.num_parameters)
 
 
-def summarise(contender: h.Contender, cap: float | None, steps: int, eval_loss: float,
+def summarise(contender: Contender, cap: float | None, steps: int, eval_loss: float,
               wall: float, results: list[dict], wire: list[dict[str, int]],
               num_parameters: int) -> dict[str, Any]:
     t = [r["timing"] for r in results]
@@ -189,7 +200,7 @@ def dp_required_cap(rows: list[dict[str, Any]]) -> float | None:
     return bits / (r["compute_s_per_step"] * (1 / UTIL_TARGET - 1))
 
 
-def cache_key(c: h.Contender, cap: float | None, steps: int, base: list[str]) -> str:
+def cache_key(c: Contender, cap: float | None, steps: int, base: list[str]) -> str:
     """A finished rung's file name: the contender, the cap and the whole recipe."""
     import hashlib  # noqa: PLC0415
 
@@ -201,18 +212,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     caps = parse_caps(args.caps)
     cache_dir = args.cache_dir
     modes = [m for m in args.modes.split(",") if m]
-    data_url = h.ensure_dataset(args.data)
-    base = h.reference_overrides(args.steps, data_url)
+    data_url = ensure_dataset(args.data)
+    base = reference_overrides(args.steps, data_url)
     logs = Path(tempfile.mkdtemp(prefix="diloco-bandwidth-logs-"))
     rows: list[dict[str, Any]] = []
     with netns.Topology(args.workers) as topo, \
-            h.MotoServer(topo.host_addr) as server:
+            MotoS3Server(topo.host_addr) as server:
         bench = Bench(topo, server, logs, base, args.mlflow)
         for cap in caps:
             for c in contenders(modes, args.workers, args.sync_every):
                 steps = args.steps
                 if c.mode == "data-parallel":
-                    n = h.load(c, base).model_config_resolved.num_parameters()
+                    n = load(c, base).model_config_resolved.num_parameters()
                     steps = dp_steps(cap, args.steps, n, args.workers, args.dp_budget)
                 key = cache_key(c, cap, steps, base)
                 cached = cache_dir / f"{key}.json" if args.resume else None
@@ -284,7 +295,7 @@ def markdown(report: dict[str, Any]) -> str:
     for r in res["rows"]:
         full = r["steps"] == s["steps"]
         table.append([
-            r["cap"], h.MODE_LABELS[r["mode"]], r["steps"], f"{r['compute_s_per_step']:.3f}",
+            r["cap"], MODE_LABELS[r["mode"]], r["steps"], f"{r['compute_s_per_step']:.3f}",
             f"{r['utilisation_steady']:.3f}",
             f"{r['utilisation']:.3f}", f"{r['drain_s']:.1f}",
             r["max_staleness"] if r["mode"] != "data-parallel" else "",
@@ -293,10 +304,10 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['wire_bytes_per_step']['down'] / 1e3:.1f} kB",
             "" if r["link_busy"] is None else f"{r['link_busy']:.0%}",
             "yes" if r["keeps_95"] else "no"])
-    lines += [h.md_table(head, table), ""]
-    lines.append(h.md_table(
+    lines += [md_table(head, table), ""]
+    lines.append(md_table(
         ["contender", "lowest cap keeping 95%"],
-        [[h.MODE_LABELS[m], _cap_text(c)] for m, c in res["lowest_cap_95"].items()]))
+        [[MODE_LABELS[m], _cap_text(c)] for m, c in res["lowest_cap_95"].items()]))
     est = res.get("dp_required_cap_estimate")
     if est:
         lines += ["", f"Data-parallel would need about {est / 1e9:.2f} Gbit/s each way for "
@@ -320,7 +331,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-budget", type=float, default=60.0,
                    help="seconds of all-reduce data-parallel may spend per rung")
     p.add_argument("--data", type=Path, default=None)
-    p.add_argument("--results-dir", type=Path, default=h.RESULTS)
+    p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--from-json", type=Path, default=None,
                    help="only render the Markdown of a saved result")
     p.add_argument("--out", default="bandwidth")
@@ -328,30 +339,30 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="reuse rungs finished by an earlier, interrupted invocation")
     p.add_argument("--cache-dir", type=Path,
-                   default=h.default_data_dir() / "cache-bandwidth")
+                   default=default_data_dir() / "cache-bandwidth")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     args = parser().parse_args(argv)
     if args.from_json:
-        return h.publish(args.out, json.loads(args.from_json.read_text()), markdown,
-                         args.results_dir, saved=True)
+        return publish(args.out, json.loads(args.from_json.read_text()), markdown,
+                       args.results_dir, saved=True)
     why = netns.available()
     if why:
         print(f"bench_bandwidth skipped: {why}")
         return None
-    env = h.environment(argv, "benchmarks.bench_bandwidth")
-    h.stop_on_sigterm()
-    results, seconds = h.timed(lambda: run(args))
+    env = environment(argv, "benchmarks.bench_bandwidth")
+    stop_on_sigterm()
+    results, seconds = timed(lambda: run(args))
     report = {"environment": env, "wall_seconds": seconds,
               "settings": {"steps": args.steps, "sync_every": args.sync_every,
                            "workers": args.workers, "caps": args.caps,
                            "dp_budget_s": args.dp_budget, "target": UTIL_TARGET},
               "results": results}
-    return h.publish(args.out, report, markdown, args.results_dir)
+    return publish(args.out, report, markdown, args.results_dir)
 
 
 if __name__ == "__main__":
-    h.cli_logging("botocore", "s3fs")
+    cli_logging("botocore", "s3fs")
     main()

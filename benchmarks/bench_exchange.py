@@ -103,25 +103,11 @@ def open_backend(name: str) -> Iterator[Backend]:
         return
     if name != "s3":
         raise SystemExit(f"--backends: unknown backend {name!r}; allowed: file, s3")
-    import boto3
-
-    from tests.s3server import DUMMY_KEY, DUMMY_SECRET, REGION, MotoS3Server
+    from tests.s3server import MotoS3Server
 
     with MotoS3Server() as server:
-        options = {
-            "endpoint_url": server.endpoint_url,
-            "key": DUMMY_KEY,
-            "secret": DUMMY_SECRET,
-            "client_kwargs": {"region_name": REGION},
-        }
-        bucket = "bench-exchange"
-        boto3.client(
-            "s3",
-            endpoint_url=server.endpoint_url,
-            aws_access_key_id=DUMMY_KEY,
-            aws_secret_access_key=DUMMY_SECRET,
-            region_name=REGION,
-        ).create_bucket(Bucket=bucket)
+        options = server.options()
+        bucket = server.new_bucket("bench-exchange")
         yield Backend(name, f"s3://{bucket}/{uuid.uuid4().hex[:12]}", options)
 
 

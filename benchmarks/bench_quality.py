@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.bench_quality [--steps 600] [--workers 2,4] \\
         [--modes diloco,streaming,eager,pure-eager] [--codecs fp32,int4] [--sweep grid]
 
-Every contender trains the same model (the reference recipe of benchmarks/harness.py:
+Every contender trains the same model (the reference recipe of benchmarks/recipe.py:
 885,888 parameters, byte-level Shakespeare, 16 x 64 tokens per worker per step),
 from the same seed and initial parameters, for the same number of inner steps per
 worker, so at equal M every contender sees the same tokens. Data-parallel runs
@@ -34,7 +34,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import harness as h
+from benchmarks.contenders import Cache, Contender, Outcome, Workdir, load, run_contender
+from benchmarks.recipe import (
+    CODEC_LABELS,
+    MODE_LABELS,
+    MODES,
+    default_data_dir,
+    ensure_dataset,
+    reference_overrides,
+)
+from benchmarks.report import (
+    RESULTS,
+    cli_logging,
+    environment,
+    md_table,
+    publish,
+    stop_on_sigterm,
+    timed,
+)
 
 # (outer lr, outer momentum) per mode. The defaults of diloco/config.py are in it.
 SWEEP: dict[str, list[tuple[float, float]]] = {
@@ -53,7 +70,7 @@ REFERENCE_GAPS = {
 log = logging.getLogger("benchmarks.quality")
 
 
-def traffic_per_step(outcome: h.Outcome) -> float | None:
+def traffic_per_step(outcome: Outcome) -> float | None:
     """Exchange bytes (up + down) per worker per inner step, from the store clients."""
     rows = [w["traffic"]["exchange"] for w in outcome.workers.values() if "traffic" in w]
     if not rows:
@@ -68,7 +85,7 @@ def dp_bytes_per_step(num_parameters: int, workers: int) -> float:
     return 2 * (2 * (workers - 1) / workers * 4 * num_parameters)
 
 
-def row(outcome: h.Outcome, dp_loss: float | None) -> dict[str, Any]:
+def row(outcome: Outcome, dp_loss: float | None) -> dict[str, Any]:
     c = outcome.contender
     late = [w.get("sync", {}).get("late_means", 0) for w in outcome.workers.values()]
     merged = [w.get("sync", {}).get("rounds_merged", 0) for w in outcome.workers.values()]
@@ -84,18 +101,18 @@ def row(outcome: h.Outcome, dp_loss: float | None) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    data = h.ensure_dataset(args.data)
-    base = h.reference_overrides(args.steps, data)
+    data = ensure_dataset(args.data)
+    base = reference_overrides(args.steps, data)
     modes = [m for m in args.modes.split(",") if m]
     codecs = [c for c in args.codecs.split(",") if c]
     workers = [int(m) for m in args.workers.split(",") if m]
     sweep_rows: list[dict[str, Any]] = []
     best: dict[str, tuple[float | None, float | None]] = {m: (None, None) for m in modes}
-    done: dict[h.Contender, h.Outcome] = {}
+    done: dict[Contender, Outcome] = {}
 
-    cache = h.Cache(args.cache_dir if args.resume else None, base)
+    cache = Cache(args.cache_dir if args.resume else None, base)
 
-    def contender_run(c: h.Contender) -> h.Outcome:
+    def contender_run(c: Contender) -> Outcome:
         if c not in done:
             cached = cache.get(c)
             if cached is not None:
@@ -103,21 +120,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 done[c] = cached
                 return cached
             log.info("running %s", c.name)
-            done[c] = h.run_contender(c, base, wd, mlflow=args.mlflow)
+            done[c] = run_contender(c, base, wd, mlflow=args.mlflow)
             cache.put(done[c])
             log.info("%s: eval loss %.4f in %.0f s", c.name, done[c].eval_loss,
                      done[c].seconds)
         return done[c]
 
-    with h.Workdir("quality", keep=args.keep) as wd:
+    with Workdir("quality", keep=args.keep) as wd:
         sweep_m = workers[0]
-        dp_sweep = contender_run(h.Contender("data-parallel", workers=sweep_m))
+        dp_sweep = contender_run(Contender("data-parallel", workers=sweep_m))
         if args.sweep == "grid":
             for mode in modes:
                 points = []
                 for lr, mu in SWEEP[mode]:
-                    c = h.Contender(mode, args.sweep_codec, sweep_m, args.sync_every,
-                                    outer_lr=lr, outer_momentum=mu)
+                    c = Contender(mode, args.sweep_codec, sweep_m, args.sync_every,
+                                  outer_lr=lr, outer_momentum=mu)
                     out = contender_run(c)
                     points.append((out.eval_loss, lr, mu))
                     sweep_rows.append(row(out, dp_sweep.eval_loss))
@@ -127,13 +144,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     best[mode] = (lr, mu)
         rows: list[dict[str, Any]] = []
         for m in workers:
-            dp = contender_run(h.Contender("data-parallel", workers=m))
+            dp = contender_run(Contender("data-parallel", workers=m))
             rows.append(row(dp, dp.eval_loss))
             for mode in modes:
                 for codec in codecs:
                     lr, mu = best[mode]
-                    c = h.Contender(mode, codec, m, args.sync_every,
-                                    outer_lr=lr, outer_momentum=mu)
+                    c = Contender(mode, codec, m, args.sync_every,
+                                  outer_lr=lr, outer_momentum=mu)
                     rows.append(row(contender_run(c), dp.eval_loss))
     return {"rows": rows, "sweep": sweep_rows,
             "best_outer": {m: {"outer_lr": v[0], "outer_momentum": v[1]}
@@ -178,28 +195,28 @@ def markdown(report: dict[str, Any]) -> str:
     table = []
     for r in res["rows"]:
         table.append([
-            h.MODE_LABELS[r["mode"]], "" if r["mode"] == "data-parallel"
-            else h.CODEC_LABELS[r["codec"]], r["workers"], _outer(r), f"{r['eval_loss']:.4f}",
+            MODE_LABELS[r["mode"]], "" if r["mode"] == "data-parallel"
+            else CODEC_LABELS[r["codec"]], r["workers"], _outer(r), f"{r['eval_loss']:.4f}",
             _gap(r["gap"]), _bytes(r["bytes_per_step"]),
             "" if r["mode"] == "data-parallel" else f"{r['late_means']}/{r['merges']}",
             f"{r['seconds']:.0f}"])
-    lines += [h.md_table(head, table), ""]
+    lines += [md_table(head, table), ""]
     lines.append("Data-parallel traffic is the fp32 ring all-reduce arithmetic "
                  "(ALGORITHMS.md section 6); DiLoCo's is the exchange's object bodies "
                  "counted by each worker's store client, up + down. Late means: merges "
                  "at which an eager worker did not yet have that round's mean.")
     if res["sweep"]:
         lines += ["", f"Outer optimizer sweep (M = {res['sweep'][0]['workers']}, "
-                  f"{h.CODEC_LABELS[res['sweep'][0]['codec']]}):", ""]
-        table = [[h.MODE_LABELS[r["mode"]], _outer(r), f"{r['eval_loss']:.4f}",
+                  f"{CODEC_LABELS[res['sweep'][0]['codec']]}):", ""]
+        table = [[MODE_LABELS[r["mode"]], _outer(r), f"{r['eval_loss']:.4f}",
                   _gap(r["gap"])] for r in res["sweep"]]
-        lines.append(h.md_table(["mode", "outer lr / mu", "eval loss", "vs data-parallel"],
-                                table))
+        lines.append(md_table(["mode", "outer lr / mu", "eval loss", "vs data-parallel"],
+                              table))
     targets = report.get("targets")
     if targets:
         lines += ["", "Targets (M = 2, equal budget):", ""]
-        lines.append(h.md_table(["target", "measured", "met"],
-                                [[t["target"], t["measured"], t["met"]] for t in targets]))
+        lines.append(md_table(["target", "measured", "met"],
+                              [[t["target"], t["measured"], t["met"]] for t in targets]))
     return "\n".join(lines)
 
 
@@ -217,15 +234,15 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if e:
         b = min(e, key=lambda r: r["gap"])
         out.append({"target": "best whole-round-hiding mode gap <= +5%",
-                    "measured": f"{_gap(b['gap'])} ({h.MODE_LABELS[b['mode']]}, "
-                                f"{h.CODEC_LABELS[b['codec']]})",
+                    "measured": f"{_gap(b['gap'])} ({MODE_LABELS[b['mode']]}, "
+                                f"{CODEC_LABELS[b['codec']]})",
                     "met": "yes" if b["gap"] <= 0.05 else "no"})
     return out
 
 
 def tokens_per_step() -> int:
     """Tokens one worker processes per inner step in the reference recipe."""
-    cfg = h.load(h.Contender("diloco"), h.reference_overrides())
+    cfg = load(Contender("diloco"), reference_overrides())
     return cfg.data.batch_size * cfg.data.seq_len * cfg.optim.grad_accum
 
 
@@ -235,13 +252,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=600, help="inner steps per worker")
     p.add_argument("--sync-every", type=int, default=50, help="H for every DiLoCo mode")
     p.add_argument("--workers", default="2,4", help="values of M (the first is swept)")
-    p.add_argument("--modes", default=",".join(h.MODES))
+    p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--codecs", default="fp32,int4")
     p.add_argument("--sweep", choices=["grid", "none"], default="grid",
                    help="grid: tune outer lr/momentum per mode; none: the modes' defaults")
     p.add_argument("--sweep-codec", default="fp32")
     p.add_argument("--data", type=Path, default=None, help="where the dataset is cached")
-    p.add_argument("--results-dir", type=Path, default=h.RESULTS)
+    p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--from-json", type=Path, default=None,
                    help="only render the Markdown of a saved result")
     p.add_argument("--out", default="quality", help="results/<out>.json and .md")
@@ -249,18 +266,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="keep the runs' stores")
     p.add_argument("--resume", action="store_true",
                    help="reuse contenders finished by an earlier, interrupted invocation")
-    p.add_argument("--cache-dir", type=Path, default=h.default_data_dir() / "cache-quality")
+    p.add_argument("--cache-dir", type=Path, default=default_data_dir() / "cache-quality")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
     if args.from_json:
-        return h.publish(args.out, json.loads(args.from_json.read_text()), markdown,
-                         args.results_dir, saved=True)
-    env = h.environment(argv, "benchmarks.bench_quality")
-    h.stop_on_sigterm()
-    results, seconds = h.timed(lambda: run(args))
+        return publish(args.out, json.loads(args.from_json.read_text()), markdown,
+                       args.results_dir, saved=True)
+    env = environment(argv, "benchmarks.bench_quality")
+    stop_on_sigterm()
+    results, seconds = timed(lambda: run(args))
     rows = results["rows"]
     num = rows[0]["num_parameters"] if rows else 0
     report = {
@@ -270,10 +287,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                      "reference_gaps": REFERENCE_GAPS, "sweep_grid": SWEEP},
         "results": results, "targets": targets(rows),
     }
-    return h.publish(args.out, report, markdown, args.results_dir)
+    return publish(args.out, report, markdown, args.results_dir)
 
 
 if __name__ == "__main__":
-    h.cli_logging("mlflow", "alembic")
+    cli_logging("mlflow", "alembic")
     main()
     sys.exit(0)

@@ -42,7 +42,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import harness as h
+from benchmarks.contenders import Contender, Workdir, load, run_contender
+from benchmarks.recipe import CODEC_LABELS, MODE_LABELS, MODES, ensure_dataset, reference_overrides
+from benchmarks.report import (
+    RESULTS,
+    cli_logging,
+    environment,
+    md_table,
+    publish,
+    stop_on_sigterm,
+    timed,
+)
+from tests.s3server import MotoS3Server
 
 log = logging.getLogger("benchmarks.traffic")
 
@@ -125,14 +136,14 @@ def steady_state(worker: dict[str, Any], rounds: list[int], sync_every: int,
     return total
 
 
-def measure_contender(c: h.Contender, base: list[str], server: h.MotoServer,
+def measure_contender(c: Contender, base: list[str], server: MotoS3Server,
                       workdir: Path, mlflow: bool) -> dict[str, Any]:
     from diloco.schedule import Schedule  # noqa: PLC0415
 
-    cfg = h.load(c, base)
+    cfg = load(c, base)
     proxies = {w: CountingProxy(server.endpoint_url) for w in cfg.workers}
     try:
-        out = h.run_contender(
+        out = run_contender(
             c, base, workdir, mlflow=mlflow, storage_url=f"s3://{server.new_bucket()}",
             storage_options=server.options(),
             worker_options={w: server.options(p.endpoint_url) for w, p in proxies.items()})
@@ -182,24 +193,24 @@ def measure_dp_netns(base: list[str], steps: int, workers: int) -> dict[str, Any
 
     if netns.available():
         return None
-    with netns.Topology(workers) as topo, h.MotoServer(topo.host_addr) as server, \
-            h.Workdir("traffic-dp") as logs:
+    with netns.Topology(workers) as topo, MotoS3Server(topo.host_addr) as server, \
+            Workdir("traffic-dp") as logs:
         bench = bench_bandwidth.Bench(topo, server, logs, base)
-        r = bench.rung(h.Contender("data-parallel", workers=workers), None, steps)
+        r = bench.rung(Contender("data-parallel", workers=workers), None, steps)
     return {"steps": steps, "wire_bytes_per_step": r["wire_bytes_per_step"],
             "utilisation": r["utilisation"]}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    data = h.ensure_dataset(args.data)
-    base = h.reference_overrides(args.steps, data)
-    list_ = [h.Contender(args.mode, "int4", 2, args.sync_every,
+    data = ensure_dataset(args.data)
+    base = reference_overrides(args.steps, data)
+    list_ = [Contender(args.mode, "int4", 2, args.sync_every,
                          fragments=int(p)) for p in args.fragments.split(",") if p]
     if args.fp32:
-        list_.append(h.Contender(args.mode, "fp32", 2, args.sync_every,
+        list_.append(Contender(args.mode, "fp32", 2, args.sync_every,
                                  fragments=int(args.fragments.split(",")[0])))
     rows = []
-    with h.MotoServer() as server, h.Workdir("traffic") as wd:
+    with MotoS3Server() as server, Workdir("traffic") as wd:
         for c in list_:
             log.info("running %s", c.name)
             rows.append(measure_contender(c, base, server, wd, args.mlflow))
@@ -246,13 +257,13 @@ def markdown(report: dict[str, Any]) -> str:
         wire = sum(w["steady_wire_per_step_estimate"] for w in ws) / len(ws)
         peak = max(w["peak_delta_payload"] for w in ws)
         table.append([
-            f"{h.MODE_LABELS[r['mode']]}, {h.CODEC_LABELS[r['codec']]}, H={r['sync_every']}, "
+            f"{MODE_LABELS[r['mode']]}, {CODEC_LABELS[r['codec']]}, H={r['sync_every']}, "
             f"P={r['fragments']}",
             f"{body / 1e3:.2f} kB", f"{dp_total / body:.0f}x", f"{wire / 1e3:.2f} kB",
             f"{dp_total / wire:.0f}x", f"{peak:,} B",
             f"{p1_peak / peak:.2f}x" if p1_peak else "",
             f"{max(w['peak_mean_payload'] for w in ws):,} B"])
-    lines.append(h.md_table(head, table))
+    lines.append(md_table(head, table))
     lines += ["", "Whole run (all rounds, the final one included, per step, mean of the "
               "two workers):", ""]
     head = ["contender", "steps", "rounds / fragment", "exchange bodies", "all bodies",
@@ -265,13 +276,13 @@ def markdown(report: dict[str, Any]) -> str:
             return sum(w[key] for w in ws) / len(ws)
 
         table.append([
-            f"{h.MODE_LABELS[r['mode']]}, {h.CODEC_LABELS[r['codec']]}, P={r['fragments']}",
+            f"{MODE_LABELS[r['mode']]}, {CODEC_LABELS[r['codec']]}, P={r['fragments']}",
             r["steps"], "/".join(str(x) for x in r["rounds"]),
             f"{mean('run_exchange_bodies_per_step') / 1e3:.1f} kB",
             f"{mean('run_all_bodies_per_step') / 1e3:.1f} kB",
             f"{mean('run_wire_per_step') / 1e3:.1f} kB", f"{mean('requests'):.0f}",
             f"{mean('http_overhead_per_request'):.0f} B"])
-    lines.append(h.md_table(head, table))
+    lines.append(md_table(head, table))
     lines += ["", "All bodies: the exchange plus start-up (manifest, initial parameters) "
               "and the status object. HTTP wire: the worker's counting proxy; its excess "
               "over the bodies, divided by the requests the store client counted, is the "
@@ -284,13 +295,13 @@ def parser() -> argparse.ArgumentParser:
                                 description=__doc__.splitlines()[0])
     p.add_argument("--sync-every", type=int, default=100, help="H")
     p.add_argument("--fragments", default="1,2,4", help="values of P (int4 up / int8 down)")
-    p.add_argument("--mode", default="streaming", choices=list(h.MODES))
+    p.add_argument("--mode", default="streaming", choices=list(MODES))
     p.add_argument("--fp32", action="store_true", help="also the first P with float32")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--dp-netns", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--dp-steps", type=int, default=20)
     p.add_argument("--data", type=Path, default=None)
-    p.add_argument("--results-dir", type=Path, default=h.RESULTS)
+    p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--out", default="traffic")
     p.add_argument("--no-mlflow", dest="mlflow", action="store_false")
     p.add_argument("--from-json", type=Path, default=None,
@@ -301,17 +312,17 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
     if args.from_json:
-        return h.publish(args.out, json.loads(args.from_json.read_text()), markdown,
-                         args.results_dir, saved=True)
-    env = h.environment(argv, "benchmarks.bench_traffic")
-    h.stop_on_sigterm()
-    results, seconds = h.timed(lambda: run(args))
+        return publish(args.out, json.loads(args.from_json.read_text()), markdown,
+                       args.results_dir, saved=True)
+    env = environment(argv, "benchmarks.bench_traffic")
+    stop_on_sigterm()
+    results, seconds = timed(lambda: run(args))
     report = {"environment": env, "wall_seconds": seconds, "settings": vars(args) | {
         "data": str(args.data)}, "results": results}
-    return h.publish(args.out, report, markdown, args.results_dir)
+    return publish(args.out, report, markdown, args.results_dir)
 
 
 if __name__ == "__main__":
-    h.cli_logging("botocore", "s3fs", "mlflow", "alembic")
+    cli_logging("botocore", "s3fs", "mlflow", "alembic")
     main()
     sys.exit(0)

@@ -1,6 +1,7 @@
 """Every benchmark in one command: codecs, exchange, quality, traffic, bandwidth.
 
-    .venv/bin/python -m benchmarks.run_all [--only quality,traffic] [--quick] [--no-mlflow]
+    .venv/bin/python -m benchmarks.run_all [--only quality,traffic] [--quick] [--no-mlflow] \\
+        [--results-dir DIR]
 
 Each benchmark runs as its own process (``python -m benchmarks.<name>``, the same
 command that reproduces it alone), one after the other, so that they do not share
@@ -11,7 +12,12 @@ times, and prints it. ``bandwidth`` needs root (network namespaces); without it,
 is reported as skipped. ``--quick`` runs every benchmark at smoke-test size and
 writes ``quick-*`` results instead, leaving the real ones alone.
 
-The ``diloco bench`` command of flows/ wraps ``main(argv)``.
+``diloco bench`` runs this module as a subprocess, with the checkout on PYTHONPATH
+(benchmarks/ is not part of the installed package, and the product never imports
+it). Exit status: 0 when every chosen benchmark ran (a skipped bandwidth counts as
+ran), 1 when one failed, 2 for a bad ``--only`` (the message names the allowed
+benchmarks), 130 when interrupted (Ctrl-C or SIGTERM; the running benchmark is
+stopped first, so that it cleans up its processes, servers and namespaces).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.harness import RESULTS, ROOT
+from benchmarks.report import RESULTS, ROOT, stop_on_sigterm
 
 BENCHMARKS = ("codecs", "exchange", "quality", "traffic", "bandwidth")
 
@@ -63,12 +69,28 @@ def run_one(cmd: list[str]) -> tuple[int, str, float]:
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     lines = []
     assert proc.stdout is not None
-    for line in proc.stdout:
-        sys.stdout.write(line)
-        sys.stdout.flush()
-        lines.append(line)
-    code = proc.wait()
+    try:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            lines.append(line)
+        code = proc.wait()
+    finally:
+        _stop(proc)
     return code, "".join(lines), time.perf_counter() - t0
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """Stop our benchmark process if it still runs (we were interrupted): SIGTERM,
+    which the benchmarks turn into their clean-up, then a kill if it hangs."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def summary(rows: list[dict], results_dir: Path, quick: bool) -> str:
@@ -99,12 +121,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the chosen benchmarks; 0 if all ran (a skipped bandwidth counts as ran)."""
+    """Run the chosen benchmarks; 0 if all ran (a skipped bandwidth counts as ran),
+    1 if one failed. A bad ``--only`` exits 2 (argparse), naming the allowed ones."""
     args = parser().parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = sorted(set(names) - set(BENCHMARKS))
-    if unknown:
-        parser().error(f"--only: unknown {', '.join(unknown)}; allowed {', '.join(BENCHMARKS)}")
+    if unknown or not names:
+        parser().error(f"--only: unknown {', '.join(unknown) or '(empty)'}; allowed: "
+                       f"{', '.join(BENCHMARKS)}")
     args.results_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in names:
@@ -131,4 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    stop_on_sigterm()
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("benchmarks.run_all: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from benchmarks.measurements import status_totals, summarise_traffic, sync_summary
+
 ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("benchmarks.timed_worker")
 
@@ -121,7 +123,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
-    from benchmarks.harness import status_totals, summarise_traffic, sync_summary  # noqa: PLC0415
     from workers.train import Group, WorkerLoop  # noqa: PLC0415
 
     clock = Clock()

@@ -1,12 +1,14 @@
 """``diloco bench``: the benchmarks of a source checkout, run as their own process.
 
 The benchmarks sit above the product and are not installed with it, so the command
-never imports them: it runs ``python -m benchmarks.run_all`` in the checkout that
-holds this package, with the same flags.
+never imports them: it runs ``python -m benchmarks.run_all`` with the same flags,
+with the checkout that holds this package on ``PYTHONPATH`` and the user's working
+directory kept (relative paths and the default ``mlflow.db`` mean what they did).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from cli.console import EXIT_FAILED, fail
+from cli.console import EXIT_FAILED, EXIT_INTERRUPTED, fail
 
 BENCHMARKS = ("codecs", "exchange", "quality", "traffic", "bandwidth")
 
@@ -55,8 +57,9 @@ def bench(
     if not mlflow:
         argv.append("--no-mlflow")
     if results_dir is not None:
-        argv += ["--results-dir", str(results_dir.resolve())]
+        argv += ["--results-dir", str(results_dir)]
+    path = [str(checkout()), *filter(None, [os.environ.get("PYTHONPATH")])]
     code = subprocess.call([sys.executable, "-m", "benchmarks.run_all", *argv],
-                           cwd=checkout())
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(path)})
     if code:
-        raise typer.Exit(EXIT_FAILED)
+        raise typer.Exit(EXIT_INTERRUPTED if code == EXIT_INTERRUPTED else EXIT_FAILED)

@@ -1,4 +1,4 @@
-"""A real S3 server on loopback for tests: moto's, in a child process.
+"""A real S3 server for tests and benchmarks: moto's, in a child process.
 
 Why a child process rather than `moto.server.ThreadedMotoServer` in the test
 process: the tests race 8 threads against the server and s3fs runs its own IO
@@ -6,15 +6,21 @@ thread, so a server sharing the GIL with them slows everything and blurs the
 timing; and a `moto.mock_aws()` used by any test in the same process patches
 botocore globally, which would silently divert our requests away from the server.
 
-The child runs `ThreadedMotoServer(ip_address="127.0.0.1", port=0)` (moto 5.2 binds
+The child runs `ThreadedMotoServer(ip_address=host, port=0)` (moto 5.2 binds
 port 0 and reports the bound port through `get_host_and_port()`), prints
 ``PORT <n>`` on stdout, and exits when its stdin closes, so it dies with the test
 run even if pytest is killed.
+
+``host`` is 127.0.0.1 for the tests; the benchmarks (which sit on top and may
+import this helper; the product never does) bind it to a bridge's address so that
+workers in network namespaces reach it over capped links.
 
 Usage::
 
     with MotoS3Server() as server:
         endpoint = server.endpoint_url        # http://127.0.0.1:<port>
+        bucket = server.new_bucket()          # a fresh bucket, for one run
+        opts = server.options()               # fsspec/s3fs storage_options
 
 Credentials are dummies (`DUMMY_KEY`, `DUMMY_SECRET`); moto accepts any.
 """
@@ -26,7 +32,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from types import TracebackType
+from typing import Any
 
 DUMMY_KEY = "testing"
 DUMMY_SECRET = "testing"
@@ -34,9 +42,11 @@ REGION = "us-east-1"
 
 
 class MotoS3Server:
-    """moto's S3 server in a child process on 127.0.0.1 and a free port."""
+    """moto's S3 server in a child process on ``host`` (any local address) and a free
+    port."""
 
-    def __init__(self, startup_timeout: float = 30.0) -> None:
+    def __init__(self, host: str = "127.0.0.1", startup_timeout: float = 30.0) -> None:
+        self.host = host
         self.startup_timeout = startup_timeout
         self.endpoint_url = ""
         self._proc: subprocess.Popen[str] | None = None
@@ -50,7 +60,7 @@ class MotoS3Server:
             AWS_DEFAULT_REGION=REGION,
         )
         self._proc = subprocess.Popen(
-            [sys.executable, __file__],
+            [sys.executable, __file__, self.host],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -61,16 +71,19 @@ class MotoS3Server:
         line = self._proc.stdout.readline().strip()
         if not line.startswith("PORT "):
             self.stop()
-            raise RuntimeError(f"moto server did not start (said {line!r})")
-        self.endpoint_url = f"http://127.0.0.1:{int(line.split()[1])}"
+            raise RuntimeError(f"moto server on {self.host} did not start (said {line!r})")
+        self.endpoint_url = f"http://{self.host}:{int(line.split()[1])}"
         self._wait_until_answering()
         return self.endpoint_url
 
     def _wait_until_answering(self) -> None:
+        # No proxy: the server is local, and a proxy from the environment would not
+        # reach a bridge's address.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         deadline = time.monotonic() + self.startup_timeout
         while True:
             try:
-                with urllib.request.urlopen(f"{self.endpoint_url}/moto-api/", timeout=2):
+                with opener.open(f"{self.endpoint_url}/moto-api/", timeout=2):
                     return
             except OSError as exc:
                 if time.monotonic() > deadline:
@@ -96,6 +109,30 @@ class MotoS3Server:
             if proc.stdout is not None:
                 proc.stdout.close()
 
+    def options(self, endpoint_url: str | None = None) -> dict[str, Any]:
+        """fsspec/s3fs storage options for this server, or for ``endpoint_url`` (e.g. a
+        counting proxy in front of it) with the same credentials."""
+        return {
+            "endpoint_url": endpoint_url or self.endpoint_url,
+            "key": DUMMY_KEY,
+            "secret": DUMMY_SECRET,
+            "client_kwargs": {"region_name": REGION},
+        }
+
+    def new_bucket(self, name: str | None = None) -> str:
+        """Create a bucket (default: a fresh ``bench-<hex>`` name) and return its name."""
+        import boto3
+
+        name = name or f"bench-{uuid.uuid4().hex[:8]}"
+        boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=DUMMY_KEY,
+            aws_secret_access_key=DUMMY_SECRET,
+            region_name=REGION,
+        ).create_bucket(Bucket=name)
+        return name
+
     def __enter__(self) -> MotoS3Server:
         self.start()
         return self
@@ -109,14 +146,14 @@ class MotoS3Server:
         self.stop()
 
 
-def _serve() -> None:
-    """Child-process entry point: serve until stdin closes."""
+def _serve(host: str) -> None:
+    """Child-process entry point: serve on ``host`` until stdin closes."""
     import logging
 
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = ThreadedMotoServer(ip_address=host, port=0, verbose=False)
     server.start()
     _, port = server.get_host_and_port()
     print(f"PORT {port}", flush=True)
@@ -125,4 +162,4 @@ def _serve() -> None:
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1")

@@ -19,16 +19,20 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks import bench_bandwidth, bench_quality, bench_traffic, netns, run_all  # noqa: E402
-from benchmarks import harness as h  # noqa: E402
+from benchmarks.contenders import Contender, load  # noqa: E402
+from benchmarks.measurements import summarise_traffic  # noqa: E402
+from benchmarks.recipe import CODECS, MODES, reference_overrides  # noqa: E402
+from benchmarks.report import RESULTS  # noqa: E402
 from benchmarks.timed_worker import Clock  # noqa: E402
+from tests.s3server import MotoS3Server  # noqa: E402
 
-N = 885_888  # parameters of the reference model (harness.REFERENCE_MODEL)
+N = 885_888  # parameters of the reference model (recipe.REFERENCE_MODEL)
 
 
 def test_reference_model_size():
     """4 blocks of (4 x 128^2 attention + 3 x 128 x 384 SwiGLU + 2 x 128 norms) =
     4 x 213,248, plus the tied 256 x 128 embedding and the final norm (128)."""
-    cfg = h.load(h.Contender("diloco"), h.reference_overrides())
+    cfg = load(Contender("diloco"), reference_overrides())
     assert cfg.model_config_resolved.num_parameters() == 4 * 213_248 + 32_768 + 128 == N
 
 
@@ -73,7 +77,7 @@ def test_summarise_traffic_splits_exchange_rounds_and_payloads():
                        "frag/0/r000000/delta/w0/abc/c/0": 800},
         "objects_down": {"frag/0/r000000/mean/agg/xyz/c/0": 500},
     }
-    s = h.summarise_traffic(snap)
+    s = summarise_traffic(snap)
     assert s["exchange"] == {"requests": 6, "bytes_up": 1_100, "bytes_down": 500}
     assert s["other"] == {"requests": 3, "bytes_up": 0, "bytes_down": 4_500}
     assert s["per_round"] == {"0/r000000": {"requests": 6, "bytes_up": 1_100,
@@ -113,15 +117,15 @@ def test_caps_and_lowest_cap():
 
 
 def test_contender_overrides_are_valid_configs():
-    for mode in ("data-parallel", *h.MODES):
-        for codec in h.CODECS:
-            c = h.Contender(mode, codec, workers=4, outer_lr=0.5, outer_momentum=0.0)
-            cfg = h.load(c, h.reference_overrides(steps=100))
+    for mode in ("data-parallel", *MODES):
+        for codec in CODECS:
+            c = Contender(mode, codec, workers=4, outer_lr=0.5, outer_momentum=0.0)
+            cfg = load(c, reference_overrides(steps=100))
             assert len(cfg.workers) == 4
             if mode != "data-parallel":
                 assert cfg.sync.eta == 0.5 and cfg.sync.mu == 0.0
     with pytest.raises(ValueError, match="mode"):
-        h.Contender("nope")
+        Contender("nope")
 
 
 def test_counting_proxy_counts_both_ways():
@@ -159,11 +163,42 @@ def test_counting_proxy_counts_both_ways():
 
 
 def test_run_all_commands():
-    quick = run_all.command("quality", True, False, h.RESULTS)
+    quick = run_all.command("quality", True, False, RESULTS)
     assert quick[1:3] == ["-m", "benchmarks.bench_quality"]
     assert "--no-mlflow" in quick and "quick-quality" in quick
-    full = run_all.command("codecs", False, True, h.RESULTS)
-    assert full[-2:] == ["--out", str(h.RESULTS / "codecs.json")]
+    full = run_all.command("codecs", False, True, RESULTS)
+    assert full[-2:] == ["--out", str(RESULTS / "codecs.json")]
+
+
+def test_run_all_refuses_unknown_names_with_the_allowed_ones(capsys):
+    """`python -m benchmarks.run_all --only codecs,speed`: exit 2 before anything runs,
+    naming the unknown and the allowed; an empty --only is refused the same way."""
+    for only, unknown in (("codecs,speed", "unknown speed"), (" , ", "unknown (empty)")):
+        with pytest.raises(SystemExit) as exit_:
+            run_all.main(["--only", only])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert unknown in err and "allowed: codecs, exchange, quality, traffic, bandwidth" in err
+
+
+def test_s3_server_binds_the_given_host():
+    """The one moto server of tests and benchmarks, on another loopback address
+    (127.0.0.2: all of 127/8 is loopback on Linux), as the benchmarks bind it to a
+    bridge's address; a fresh bucket, and storage options s3fs can use."""
+    import boto3  # noqa: PLC0415
+    import s3fs  # noqa: PLC0415
+
+    with MotoS3Server("127.0.0.2") as server:
+        assert server.endpoint_url.startswith("http://127.0.0.2:")
+        bucket = server.new_bucket()
+        client = boto3.client("s3", endpoint_url=server.endpoint_url,
+                              aws_access_key_id="testing", aws_secret_access_key="testing",
+                              region_name="us-east-1")
+        assert bucket in [b["Name"] for b in client.list_buckets()["Buckets"]]
+        fs = s3fs.S3FileSystem(**server.options())
+        fs.pipe(f"{bucket}/x", b"abc")
+        assert fs.cat(f"{bucket}/x") == b"abc"
+        assert server.options("http://127.0.0.1:9")["endpoint_url"] == "http://127.0.0.1:9"
 
 
 needs_netns = pytest.mark.skipif(

@@ -1,0 +1,97 @@
+"""The recipe every benchmark shares: model, data, optimizer, and the sync settings.
+
+The benchmarks compare training strategies on the same model, data, seed and token
+budget. This module holds that common ground:
+
+- the reference recipe (``reference_overrides``): a 0.89M-parameter byte-level
+  Llama on the installed Shakespeare corpus, close to the 0.87M reference model of
+  ALGORITHMS.md section 7;
+- the synchronisation modes (``MODES``) and codec pairs (``CODECS``) a contender
+  picks from, and the labels the reports print for them;
+- the dataset, prepared once into a local directory (``ensure_dataset``).
+
+What a contender is and how one runs is in ``benchmarks.contenders``.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("benchmarks")
+
+
+# About the reference model of ALGORITHMS.md section 7 (0.87M parameters, byte level):
+# 4 blocks of width 128, 4 heads, SwiGLU 384: 885,888 parameters.
+REFERENCE_MODEL = "{d_model: 128, n_layers: 4, n_heads: 4, max_seq_len: 128}"
+
+
+def reference_overrides(steps: int = 600, data_url: str | None = None) -> list[str]:
+    """The quality recipe: tiny's optimizer, the reference model, 16 x 64 tokens a step."""
+    out = [
+        f"model.overrides={REFERENCE_MODEL}",
+        "data.seq_len=64",
+        "data.batch_size=16",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=30",
+        f"train.steps={steps}",
+        "train.eval_every=0",
+        "train.eval_batches=32",
+        "train.checkpoint_every=0",
+        "train.log_every=10",
+        "train.threads=1",
+        "train.seed=0",
+    ]
+    if data_url:
+        out.append(f"data.dataset={data_url}")
+    return out
+
+
+# Synchronisation modes (ALGORITHMS.md sections 2-4); H is set per contender.
+MODES: dict[str, list[str]] = {
+    "diloco": ["sync.mode=diloco", "sync.fragments=1", "sync.overlap=0"],
+    "streaming": ["sync.mode=streaming", "sync.fragments=2", "sync.overlap=1",
+                  "sync.alpha=0.5"],
+    "eager": ["sync.mode=eager", "sync.eager_rule=adaptive", "sync.fragments=2",
+              "sync.overlap=1", "sync.alpha=0.5"],
+    "pure-eager": ["sync.mode=eager", "sync.eager_rule=pure", "sync.fragments=2",
+                   "sync.overlap=0"],
+}
+MODE_LABELS = {
+    "data-parallel": "data-parallel",
+    "diloco": "DiLoCo (blocking)",
+    "streaming": "streaming (tau=1, alpha=0.5)",
+    "eager": "adaptive eager (tau=1, alpha=0.5)",
+    "pure-eager": "pure eager (paper's rule)",
+}
+# Error feedback stays at the product default: on for int4 up, off for int8 down.
+CODECS: dict[str, list[str]] = {
+    "fp32": ["sync.codec_up=none", "sync.codec_down=none"],
+    "int4": ["sync.codec_up=int4", "sync.codec_down=int8"],
+}
+CODEC_LABELS = {"fp32": "float32", "int4": "int4 up / int8 down"}
+
+
+# -- data ----------------------------------------------------------------------------
+
+
+def default_data_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "diloco-bench-data"
+
+
+def ensure_dataset(where: Path | None = None) -> str:
+    """The byte-level Shakespeare dataset, prepared once into a local directory."""
+    from workers.data.errors import DatasetMissing  # noqa: PLC0415
+    from workers.data.prepare import prepare_data  # noqa: PLC0415
+    from workers.data.streams import open_dataset  # noqa: PLC0415
+
+    where = (where or default_data_dir()) / "shakespeare-byte"
+    url = where.as_uri()
+    try:
+        open_dataset(url)
+    except DatasetMissing:
+        log.info("preparing byte-level Shakespeare at %s", where)
+        where.parent.mkdir(parents=True, exist_ok=True)
+        prepare_data(["builtin:shakespeare"], url, tokenizer="byte", val_fraction=0.01)
+    return url
