@@ -20,14 +20,19 @@ reference and checks the bits against it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from storage.errors import CorruptObject, NonFiniteValues
 
-if TYPE_CHECKING:
-    from storage.codecs import CodecSpec
+
+class BlockSpec(Protocol):
+    """What the kernels read of a `storage.codecs.CodecSpec` (which imports this
+    module, so it is named by its shape here)."""
+
+    name: str
+    block_size: int
 
 if not np.little_endian:  # pragma: no cover
     raise ImportError("storage.quantizers assumes a little-endian host (x86-64, arm64)")
@@ -70,7 +75,7 @@ class Work:
         self.starts = np.arange(0, chunk, block)  # block starts, for reduceat
 
 
-def _block_scales(x: np.ndarray, spec: CodecSpec, w: Work) -> tuple[np.ndarray, np.ndarray]:
+def _block_scales(x: np.ndarray, spec: BlockSpec, w: Work) -> tuple[np.ndarray, np.ndarray]:
     """Absmax per block (w.s) and the divisor, 1 for an all-zero block (w.d).
 
     Leaves |x| in w.f for fp4. The max is taken over uint32 bit patterns: for
@@ -99,7 +104,7 @@ def _block_scales(x: np.ndarray, spec: CodecSpec, w: Work) -> tuple[np.ndarray, 
 
 def encode_chunk(
     x: np.ndarray,
-    spec: CodecSpec,
+    spec: BlockSpec,
     w: Work,
     scales_out: np.ndarray,
     codes_out: np.ndarray,
@@ -190,7 +195,7 @@ def _fp4_codes(x: np.ndarray, r: np.ndarray, w: Work, codes_out: np.ndarray) -> 
 
 
 def decode_chunk(
-    codes: np.ndarray, s: np.ndarray, spec: CodecSpec, w: Work, out: np.ndarray
+    codes: np.ndarray, s: np.ndarray, spec: BlockSpec, w: Work, out: np.ndarray
 ) -> None:
     """Decode one chunk: codes (uint8; m or m/2 bytes) and native scales s into out (m)."""
     m, b = out.size, spec.block_size
