@@ -148,8 +148,13 @@ def test_cancel_mid_run_then_resume(data_url, tmp_path):
     ex = open_run(url)
     for w, step in stopped_at.items():
         saved_step, state = checkpoint.load(ex.store, w)
-        assert saved_step == step
-        assert state["tokens"] == step * 8 * 32
+        # a worker stopped between steps saves there; one stopped while blocked on a
+        # mean saves nothing and resumes from its last periodic checkpoint: either
+        # way its status says where it resumes, and that checkpoint is there
+        resumes_from = statuses[w]["resumes_from"]
+        assert resumes_from == step or (resumes_from < step and resumes_from % 10 == 0)
+        assert saved_step == resumes_from
+        assert state["tokens"] == saved_step * 8 * 32
     for p in range(len(ex.manifest.fragments)):
         r, key = latest_global(ex, p)
         assert r >= 1

@@ -313,7 +313,7 @@ class WorkerLoop:
             # between an inner step and its merge: nothing consistent to save
             saved = checkpoint.latest_step(self.ckpt_store, self.worker) or 0
             log.warning("%s; resumes from step %d", exc, saved)
-            self._status("interrupted", force=True, error=None,
+            self._status("interrupted", force=True, error=None, resumes_from=saved,
                          note=f"stopped while waiting for a mean; resumes from step {saved}")
             raise Interrupted(saved, saved=False) from exc
         except BaseException as exc:
@@ -340,7 +340,8 @@ class WorkerLoop:
         while self.step < total:
             if self.stop.is_set():
                 self.save()
-                self._status("interrupted", force=True, loss=losses[-1] if losses else None)
+                self._status("interrupted", force=True, loss=losses[-1] if losses else None,
+                             resumes_from=self.step)
                 raise Interrupted(self.step)
             step = self.step + 1
             lr = lr_at(step, cfg)
