@@ -107,10 +107,10 @@ def _eager_run(cfg: SyncConfig, late: set[tuple[int, int]], total_steps: int = 1
         for p, r in _merges(cfg, step):
             if (p, r) not in late:  # on time: visible and fetched before the merge
                 view.released.add((p, r))
-                sync._sent[(p, r)].mean.result(timeout=30)
+                assert sync.mean_arrived(p, r, timeout=30)
             if (p, r - 1) in late:  # one round late: here by the next merge
                 view.released.add((p, r - 1))
-                sync._sent[(p, r - 1)].mean.result(timeout=30)
+                assert sync.mean_arrived(p, r - 1, timeout=30)
 
     def after(worker, step, sync):
         for p, r in _merges(cfg, step):
