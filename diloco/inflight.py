@@ -150,6 +150,10 @@ class InFlight:
         return [s for (q, k), s in sorted(self._rounds.items())
                 if q == p and (upto is None or k <= upto)]
 
+    def owed(self, p: int, upto: int | None = None) -> list[Round]:
+        """Rounds of ``p`` (up to ``upto``) whose others' part is not applied yet."""
+        return [s for s in self.of(p, upto) if not s.correction_applied]
+
     def own(self, sent: Round) -> torch.Tensor:
         """This worker's decoded contribution as the aggregator sees it (the
         committed value once uploaded: a restarted worker's earlier commit wins)."""
@@ -226,19 +230,23 @@ class InFlight:
             pool.shutdown(wait=True, cancel_futures=True)
 
     # -- checkpoint and resume -----------------------------------------------------
-    def state_dict(self) -> list[dict]:
-        """The rounds held, once committed (:meth:`drain` first): their own values
-        are read back from the store on resume, not kept in the checkpoint."""
-        return [
-            {"fragment": s.fragment, "round": s.round, "own_weight": s.own_weight,
-             "own_applied": s.own_applied, "correction_applied": s.correction_applied}
-            for s in self._rounds.values()
-        ]
+    def state_dict(self) -> dict:
+        """The residuals and the rounds held, once committed (:meth:`drain` first):
+        their own values are read back from the store on resume, not kept here."""
+        return {
+            "residual": [None if r is None else r.clone() for r in self.residual],
+            "sent": [
+                {"fragment": s.fragment, "round": s.round, "own_weight": s.own_weight,
+                 "own_applied": s.own_applied, "correction_applied": s.correction_applied}
+                for s in self._rounds.values()
+            ],
+        }
 
-    def load_state_dict(self, entries: list[dict]) -> None:
-        """Take the rounds of :meth:`state_dict` back: own values from the store,
-        and their means awaited again."""
-        for entry in entries:
+    def load_state_dict(self, state: dict) -> None:
+        """Take :meth:`state_dict` back: own values from the store, means awaited
+        again."""
+        self.residual[:] = [None if r is None else r.clone() for r in state["residual"]]
+        for entry in state["sent"]:
             p, r = int(entry["fragment"]), int(entry["round"])
             value, commit = self.exchange.fetch_delta(p, r, self.worker)
             done: Future = Future()

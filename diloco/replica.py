@@ -1,27 +1,13 @@
 """The per-worker synchroniser: call ``step()`` after every inner optimizer step.
 
 It follows the schedule of ALGORITHMS.md section 3 with two verbs. At a fragment's
-send step it computes the outer gradient ``delta = theta_out - theta_m`` and hands it
-to the rounds in flight (`diloco.inflight`: encode with the error-feedback residual,
-upload, await the mean) and keeps training. At the merge step it takes what has
-arrived, computes the outer gradient of the mode with a rule of `diloco.rules`,
-applies the outer step and merges into the live weights with
-``torch.lerp(theta_new, theta_m, alpha)``.
-
-Modes:
-- ``diloco`` / ``streaming``: the merge waits for the round's true mean; the time
-  spent waiting is measured (``stats.wait_seconds``).
-- ``eager`` with the ``adaptive`` rule (default): the merge never waits. It applies
-  the own fresh part ``w * delta_m^(r)`` plus the others' parts of every earlier
-  round whose mean has arrived, so each contribution is applied once (section 4).
-- ``eager`` with the ``pure`` rule: the paper's estimate, blocking only if the
-  previous round's mean has not arrived.
-
-``w`` for the fresh part is ``1 / M``; the correction of a round uses the same
-``w``, so a worker whose true weight differs, or whose contribution was not used,
-is corrected exactly when the mean arrives. All outer state is float32 on the CPU,
-as on the aggregator, so in the non-eager modes every worker holds the
-aggregator's canonical outer state bit for bit.
+send step it computes ``delta = theta_out - theta_m`` and hands it to the rounds in
+flight (`diloco.inflight`: encode with error feedback, upload, poll for the mean).
+At the merge step it collects what its mode needs from them (the mean, waited for
+in the blocking modes; the means that have arrived, in eager mode), computes the
+outer gradient with a rule of `diloco.rules`, steps the outer state and merges the
+live weights. All outer state is float32 on the CPU, as on the aggregator, so in
+the non-eager modes every worker holds the canonical outer state bit for bit.
 """
 
 from __future__ import annotations
@@ -107,8 +93,8 @@ class Synchronizer:
         self.alpha = self.config.merge_alpha
         self.eager = self.config.mode == "eager"
         self.stats = SyncStats()
-        self.outer = [OuterState(v, self.config.eta, self.config.mu)
-                      for v in load_initial(exchange, len(plan))]
+        init = load_initial(exchange, len(plan))
+        self.outer = [OuterState(v, self.config.eta, self.config.mu) for v in init]
         if initialise:
             for p, state in enumerate(self.outer):
                 plan.scatter(model, p, state.params)
@@ -229,7 +215,7 @@ class Synchronizer:
 
     def _adaptive_eager(self, sent: Round, wait: bool) -> torch.Tensor:
         p, r = sent.fragment, sent.round
-        owed = [s for s in self.inflight.of(p, upto=r) if not s.correction_applied]
+        owed = self.inflight.owed(p, upto=r)
         if wait:  # the final round: every mean of the fragment, so all is applied once
             for s in owed:
                 self.inflight.wait_mean(s)
@@ -252,7 +238,7 @@ class Synchronizer:
         """Eager modes at the end, when no final round carried them: wait for every
         mean of fragment ``p``, then apply the others' parts not applied yet as a
         correction (`rules.correct`: no momentum, not a round)."""
-        owed = [s for s in self.inflight.of(p) if not s.correction_applied]
+        owed = self.inflight.owed(p)
         for s in owed:
             self.inflight.wait_mean(s)
         correction = rules.outstanding([self.inflight.arrived(s) for s in owed])
@@ -276,13 +262,8 @@ class Synchronizer:
             "tokens": self._tokens,
             "tokens_at_send": list(self._tokens_at_send),
             "next_round": list(self._next_round),
-            "outer": [
-                {"params": o.params.clone(),
-                 "momentum": None if o.momentum_buffer is None else o.momentum_buffer.clone()}
-                for o in self.outer
-            ],
-            "residual": [None if r is None else r.clone() for r in self.residual],
-            "sent": self.inflight.state_dict(),
+            "outer": [o.state_dict() for o in self.outer],
+            **self.inflight.state_dict(),  # "residual" and "sent"
             "wait_seconds": self.stats.wait_seconds,
             "rounds_sent": self.stats.rounds_sent,
             "rounds_merged": self.stats.rounds_merged,
@@ -299,8 +280,7 @@ class Synchronizer:
         self._next_round = [int(x) for x in state["next_round"]]
         for outer, saved in zip(self.outer, state["outer"], strict=True):
             outer.load(saved["params"], saved["momentum"])
-        self.inflight.residual[:] = [None if r is None else r.clone() for r in state["residual"]]
-        self.inflight.load_state_dict(state["sent"])
+        self.inflight.load_state_dict(state)
         self.stats.wait_seconds = float(state.get("wait_seconds", 0.0))
         self.stats.rounds_sent = int(state.get("rounds_sent", 0))
         self.stats.rounds_merged = int(state.get("rounds_merged", 0))

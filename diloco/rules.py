@@ -6,6 +6,14 @@ that have arrived) and then calls it. Each rule evaluates its terms in exactly t
 order the document pins, because algebraically equal forms give other float bits
 and the tests compare replicas with the aggregator bit for bit.
 
+The modes' outer gradients: blocking DiLoCo and streaming use the round's mean;
+eager's ``pure`` rule the paper's estimate; eager's ``adaptive`` rule (the default)
+the own fresh part ``w * delta_m^(r)`` plus the others' part of every earlier
+round whose mean has arrived, so each contribution is applied once. ``w`` of the
+fresh part is ``1 / M``, and a round's correction uses the same ``w``, so a worker
+whose true weight differs, or whose contribution was not used, is corrected
+exactly when the mean arrives.
+
 Symbols: ``theta_m`` the live fragment, ``theta_out`` its outer parameters,
 ``delta_m^(r)`` this worker's decoded outer gradient of round ``r``, ``delta^(r)``
 the round's mean, ``w`` this worker's weight in it, ``alpha`` the merge weight.
