@@ -173,6 +173,7 @@ class Synchronizer:
 
     # -- the two verbs ---------------------------------------------------------------
     def _send(self, p: int, r: int, final: bool = False) -> None:
+        """Send fragment ``p``'s round ``r``: its outer gradient joins the rounds in flight."""
         if r != self._next_round[p]:
             raise RuntimeError(f"fragment {p}: sending round {r}, expected {self._next_round[p]}")
         if r >= self.rounds[p]:
@@ -186,6 +187,8 @@ class Synchronizer:
         log.debug("worker %s: sent fragment %d round %d", self.worker, p, r)
 
     def _merge(self, p: int, r: int, final: bool = False) -> None:
+        """Merge fragment ``p``'s round ``r``: the mode's outer gradient, the outer step,
+        the lerp into the live weights (a final round lands on the outer value)."""
         sent = self.inflight.get(p, r)
         if not self.eager:
             grad = torch.from_numpy(np.asarray(self.inflight.wait_mean(sent)[0]))
