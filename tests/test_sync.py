@@ -277,10 +277,11 @@ def test_a_merge_blocked_on_a_mean_gives_up_after_the_stop_patience():
         stop.set()
         started = time.monotonic()
         t.join(10)
-        assert not t.is_alive()
-        assert 0.4 <= time.monotonic() - started < 5
+        assert not t.is_alive()  # it gave up (a hang would fail here)
+        assert time.monotonic() - started >= 0.4  # not before the patience (0.5 s) ran out
         exc = outcome["error"]
         assert isinstance(exc, MergeAbandoned)
+        assert exc.waited >= 0.6 + 0.5  # the wait before the stop, then the patience
         assert (exc.fragment, exc.round) == (0, 0) and "fragment 0 round 0" in str(exc)
         assert sync.waiting_for is None
         assert torch.equal(sync.outer_params(0), before)
