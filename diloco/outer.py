@@ -35,6 +35,11 @@ class OuterState:
         state = self._opt.state.get(self.params, {})
         return state.get("momentum_buffer")
 
+    def state_dict(self) -> dict[str, torch.Tensor | None]:
+        """Copies of the parameters and momentum (``None`` before the first step)."""
+        buf = self.momentum_buffer
+        return {"params": self.params.clone(), "momentum": None if buf is None else buf.clone()}
+
     def load(self, params: torch.Tensor, momentum_buffer: torch.Tensor | None) -> None:
         """Restore from a checkpoint (``None``: no outer step taken yet)."""
         with torch.no_grad():

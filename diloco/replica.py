@@ -1,67 +1,37 @@
 """The per-worker synchroniser: call ``step()`` after every inner optimizer step.
 
-It follows the schedule of ALGORITHMS.md section 3: at a fragment's send step it
-computes the outer gradient ``delta = theta_out - theta_m`` (plus the error-feedback
-residual), hands it to a background thread that encodes and uploads it, and keeps
-training; at the merge step it applies the outer step and merges into the live
-weights with ``torch.lerp(theta_new, theta_m, alpha)``.
-
-Modes:
-- ``diloco`` / ``streaming``: the merge waits for the round's true mean; the time
-  spent waiting is measured (``stats.wait_seconds``).
-- ``eager`` with the ``adaptive`` rule (default): the merge never waits. It applies
-  the worker's own fresh part ``w * delta_m^(r)`` plus, for every round whose true
-  mean has arrived, the others' part ``delta^(k) - w * delta_m^(k)`` not applied
-  yet, so each contribution is applied exactly once (section 4).
-- ``eager`` with the ``pure`` rule: the paper's estimate
-  ``(delta^(r-1) - w_m * delta_m^(r-1)) + w * delta_m^(r)``, blocking only if the
-  previous round's mean has not arrived.
-
-``w`` for the fresh part is ``1 / M`` (the weight a worker has when all process the
-same number of tokens); the correction of each round uses the same ``w``, so a
-worker whose true weight differs, or whose contribution was not used, is corrected
-exactly when the mean arrives.
-
-All outer state (outer parameters, momentum, residuals) is float32 on the CPU, as
-on the aggregator, so in the non-eager modes every worker holds the aggregator's
-canonical outer state bit for bit.
+It follows the schedule of ALGORITHMS.md section 3 with two verbs. At a fragment's
+send step it computes ``delta = theta_out - theta_m`` and hands it to the rounds in
+flight (`diloco.inflight`: encode with error feedback, upload, poll for the mean).
+At the merge step it collects what its mode needs from them (the mean, waited for
+in the blocking modes; the means that have arrived, in eager mode), computes the
+outer gradient with a rule of `diloco.rules`, steps the outer state and merges the
+live weights. All outer state is float32 on the CPU, as on the aggregator, so in
+the non-eager modes every worker holds the canonical outer state bit for bit.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
+from diloco import rules
 from diloco.config import SyncConfig
 from diloco.fragments import FragmentPlan
+from diloco.inflight import InFlight, MergeAbandoned, Round
 from diloco.outer import OuterState
 from diloco.run import load_initial
 from diloco.schedule import Schedule
-from storage.exchange import Exchange, Prepared, Published
+from storage.exchange import Exchange
+
+__all__ = ["MergeAbandoned", "SyncStats", "Synchronizer"]
 
 log = logging.getLogger(__name__)
-
-
-class MergeAbandoned(RuntimeError):
-    """A merge stopped waiting for a round's mean because the caller asked to stop.
-
-    The replica is then between an inner step and that step's merge, a state no
-    checkpoint can describe: the worker should end without saving and resume from
-    its last checkpoint, as after a crash."""
-
-    def __init__(self, worker: str, fragment: int, round: int, waited: float):
-        super().__init__(
-            f"worker {worker}: stopped while waiting {waited:.0f} s for the mean of "
-            f"fragment {fragment} round {round}"
-        )
-        self.fragment, self.round, self.waited = fragment, round, waited
 
 
 @dataclass
@@ -76,19 +46,9 @@ class SyncStats:
     staleness: list[int] = field(default_factory=list)
     late_means: int = 0
 
-
-@dataclass
-class _Sent:
-    """One round this worker sent: its own decoded value and what became of it."""
-
-    fragment: int
-    round: int
-    encoded: Future  # -> Prepared
-    uploaded: Future  # -> Published
-    mean: Future  # -> (np.ndarray, commit)
-    own_applied: bool = False
-    correction_applied: bool = False
-    own_weight: float = 0.0
+    def record_wait(self, seconds: float) -> None:
+        self.wait_seconds += seconds
+        self.waits.append(seconds)
 
 
 class Synchronizer:
@@ -117,10 +77,7 @@ class Synchronizer:
                 f"{', '.join(manifest.workers)})"
             )
         plan.check_against(manifest.model_dump()["fragments"])
-        self.model = model
-        self.exchange = exchange
-        self.worker = worker
-        self.plan = plan
+        self.model, self.exchange, self.worker, self.plan = model, exchange, worker, plan
         self.config = config or SyncConfig(**manifest.sync)
         self.schedule = Schedule(
             self.config.sync_every, self.config.fragments, self.config.send_offset
@@ -136,26 +93,28 @@ class Synchronizer:
         self.alpha = self.config.merge_alpha
         self.eager = self.config.mode == "eager"
         self.stats = SyncStats()
-
         init = load_initial(exchange, len(plan))
         self.outer = [OuterState(v, self.config.eta, self.config.mu) for v in init]
-        self.residual: list[torch.Tensor | None] = [None] * len(plan)
         if initialise:
             for p, state in enumerate(self.outer):
                 plan.scatter(model, p, state.params)
-        self._sent: dict[tuple[int, int], _Sent] = {}
+        self.inflight = InFlight(exchange, worker, len(plan), self.config,
+                                 self.stats.record_wait, stop=stop,
+                                 stop_patience_s=stop_patience_s)
         self._next_round = [0] * len(plan)
         self._tokens = 0
         self._tokens_at_send = [0] * len(plan)
-        self._stop = threading.Event()
-        self._abandon = stop
-        self.stop_patience_s = stop_patience_s
-        #: (fragment, round) of the mean a merge is blocked on, else None
-        self.waiting_for: tuple[int, int] | None = None
-        self._encoder = ThreadPoolExecutor(1, thread_name_prefix=f"enc-{worker}")
-        self._uploader = ThreadPoolExecutor(2, thread_name_prefix=f"up-{worker}")
-        self._poller = ThreadPoolExecutor(len(plan) + 2, thread_name_prefix=f"poll-{worker}")
         self._finished = False
+
+    @property
+    def residual(self) -> list[torch.Tensor | None]:
+        """Error-feedback residual per fragment (None until a round left one)."""
+        return self.inflight.residual
+
+    @property
+    def waiting_for(self) -> tuple[int, int] | None:
+        """(fragment, round) of the mean a merge is blocked on, else None."""
+        return self.inflight.waiting_for
 
     # -- the training loop's entry points ------------------------------------------
     def step(self, tokens: int = 0) -> None:
@@ -187,210 +146,109 @@ class Synchronizer:
             )
         try:
             for p in range(len(self.plan)):
-                inflight = [k for (q, k), s in self._sent.items() if q == p and not s.own_applied]
-                for r in inflight:
-                    self._merge(p, r)
+                for sent in [s for s in self.inflight.of(p) if not s.own_applied]:
+                    self._merge(p, sent.round)
                 if self._next_round[p] < self.rounds[p]:
                     r = self._next_round[p]
                     self._send(p, r, final=True)
                     self._merge(p, r, final=True)
                 if self.eager:
                     self._apply_outstanding(p)
-            for sent in self._sent.values():
-                sent.uploaded.result()
+            self.inflight.drain()
         finally:
             self._finished = True
             self.close()
 
     def close(self) -> None:
         """Stop background threads (without waiting for rounds in flight)."""
-        self._stop.set()
-        for pool in (self._encoder, self._uploader, self._poller):
-            pool.shutdown(wait=True, cancel_futures=True)
+        self.inflight.close()
 
-    # -- sends ---------------------------------------------------------------------
+    def mean_arrived(self, p: int, r: int, timeout: float | None = 0.0) -> bool:
+        """Whether the mean of fragment ``p`` round ``r`` (already sent) has reached
+        this worker, waiting up to ``timeout`` seconds (None: for ever) for it. A
+        watcher's wait: not counted in ``stats``."""
+        if r >= self._next_round[p]:
+            raise ValueError(f"worker {self.worker}: fragment {p} round {r} is not sent yet")
+        return self.inflight.wait_arrival(p, r, timeout)
+
+    # -- the two verbs ---------------------------------------------------------------
     def _send(self, p: int, r: int, final: bool = False) -> None:
+        """Send fragment ``p``'s round ``r``: its outer gradient joins the rounds in flight."""
         if r != self._next_round[p]:
             raise RuntimeError(f"fragment {p}: sending round {r}, expected {self._next_round[p]}")
         if r >= self.rounds[p]:
             raise RuntimeError(f"fragment {p}: round {r} is past the run's {self.rounds[p]} rounds")
         self._next_round[p] = r + 1
-        live = self.plan.gather(self.model, p)
-        delta = self.outer[p].params - live
+        delta = rules.outer_gradient(self.outer[p].params, self.plan.gather(self.model, p))
         tokens = self._tokens - self._tokens_at_send[p]
         self._tokens_at_send[p] = self._tokens
-        previous = self._sent.get((p, r - 1))
-        encoded = self._encoder.submit(self._encode, p, r, delta, previous)
-        uploaded = self._uploader.submit(self._upload, encoded, tokens, final, self.stats.steps)
-        mean = self._poller.submit(self._await_mean, p, r)
-        self._sent[(p, r)] = _Sent(p, r, encoded, uploaded, mean)
+        self.inflight.send(p, r, delta, tokens=tokens, final=final, step=self.stats.steps)
         self.stats.rounds_sent += 1
         log.debug("worker %s: sent fragment %d round %d", self.worker, p, r)
 
-    def _encode(self, p: int, r: int, delta: torch.Tensor, previous: _Sent | None) -> Prepared:
-        feedback = self.exchange.manifest.codec_up.name
-        if self.config.feedback(feedback):
-            if previous is not None:
-                previous.encoded.result()  # its residual is set when it finishes
-            if self.residual[p] is not None:
-                delta = delta + self.residual[p]
-        x = delta.numpy()
-        prepared = self.exchange.prepare_delta(p, r, self.worker, x)
-        if self.config.feedback(feedback):
-            self.residual[p] = torch.from_numpy(x - prepared.decoded)
-        return prepared
-
-    def _upload(self, encoded: Future, tokens: int, final: bool, step: int) -> Published:
-        prepared: Prepared = encoded.result()
-        return self.exchange.publish_prepared(
-            prepared, tokens=tokens, extra={"final": final, "step": step}
-        )
-
-    def _await_mean(self, p: int, r: int) -> tuple[np.ndarray, dict]:
-        delay = self.config.poll_interval_s
-        while not self._stop.is_set():
-            got = self.exchange.fetch_mean(p, r)
-            if got is not None:
-                return got
-            self._stop.wait(delay)
-            delay = min(delay * 1.5, self.config.poll_max_s)
-        raise RuntimeError(f"worker {self.worker}: stopped while waiting for fragment {p} round {r}")
-
-    # -- merges --------------------------------------------------------------------
-    def _own(self, sent: _Sent) -> torch.Tensor:
-        """This worker's decoded contribution as the aggregator sees it."""
-        if sent.uploaded.done():
-            return torch.from_numpy(np.asarray(sent.uploaded.result().decoded))
-        return torch.from_numpy(np.asarray(sent.encoded.result().decoded))
-
-    def _correction(self, sent: _Sent) -> torch.Tensor:
-        """The others' part of a round: ``delta^(k) - w * delta_m^(k)``."""
-        mean = torch.from_numpy(np.asarray(sent.mean.result()[0]))
-        return mean - sent.own_weight * self._own(sent)
-
-    def _wait(self, sent: _Sent):
-        """The mean of ``sent``'s round, waiting for it if need be (timed)."""
-        future, p, r = sent.mean, sent.fragment, sent.round
-        if future.done():
-            return future.result()
-        start = time.perf_counter()
-        self.waiting_for = (p, r)
-        stopped_at = None
-        try:
-            while True:
-                try:
-                    value = future.result(timeout=0.25)
-                    break
-                except TimeoutError:
-                    if self._abandon is None or not self._abandon.is_set():
-                        continue
-                    now = time.perf_counter()
-                    stopped_at = stopped_at or now
-                    if now - stopped_at >= self.stop_patience_s:
-                        raise MergeAbandoned(self.worker, p, r, now - start) from None
-        finally:
-            self.waiting_for = None
-        waited = time.perf_counter() - start
-        self.stats.wait_seconds += waited
-        self.stats.waits.append(waited)
-        return value
-
     def _merge(self, p: int, r: int, final: bool = False) -> None:
-        sent = self._sent[(p, r)]
+        """Merge fragment ``p``'s round ``r``: the mode's outer gradient, the outer step,
+        the lerp into the live weights (a final round lands on the outer value)."""
+        sent = self.inflight.get(p, r)
         if not self.eager:
-            mean = torch.from_numpy(np.asarray(self._wait(sent)[0]))
+            grad = torch.from_numpy(np.asarray(self.inflight.wait_mean(sent)[0]))
             sent.own_applied = sent.correction_applied = True
-            grad = mean
         elif self.config.eager_rule == "pure" and not final:
             grad = self._pure_eager(sent)
         else:
             grad = self._adaptive_eager(sent, wait=final)
-        new = self.outer[p].step(grad)
         alpha = 0.0 if final else self.alpha
-        if alpha == 0.0:
-            self.plan.scatter(self.model, p, new)
-        else:
-            live = self.plan.gather(self.model, p)
-            self.plan.scatter(self.model, p, torch.lerp(new, live, alpha))
+        live = None if alpha == 0.0 else self.plan.gather(self.model, p)
+        self.plan.scatter(self.model, p, rules.merge(self.outer[p], grad, alpha, live))
         self.stats.rounds_merged += 1
-        self._forget(p)
+        self.inflight.forget(p)
 
-    def _pure_eager(self, sent: _Sent) -> torch.Tensor:
-        p, r = sent.fragment, sent.round
-        own = self._own(sent)
-        w = self.own_weight
-        if r == 0:
-            others = torch.zeros_like(own)
-        else:
-            prev = self._sent[(p, r - 1)]
-            mean, commit = self._wait(prev)
+    # -- what each eager rule needs, then the rule -----------------------------------
+    def _pure_eager(self, sent: Round) -> torch.Tensor:
+        own, previous = self.inflight.own(sent), None
+        if sent.round > 0:
+            prev = self.inflight.get(sent.fragment, sent.round - 1)
+            _, commit = self.inflight.wait_mean(prev)  # its weight is in the commit
             w_prev = float(commit["weights"].get(self.worker, 0.0))
-            # evaluate in exactly this order (ALGORITHMS.md section 4)
-            others = torch.from_numpy(np.asarray(mean)) - w_prev * self._own(prev)
+            previous = rules.Arrived(self.inflight.mean(prev), self.inflight.own(prev), w_prev)
             prev.correction_applied = True
             self.stats.staleness.append(1)
-        sent.own_weight = w
-        sent.own_applied = True
-        return others + w * own
+        sent.own_weight, sent.own_applied = self.own_weight, True
+        return rules.pure_eager(own, self.own_weight, previous)
 
-    def _adaptive_eager(self, sent: _Sent, wait: bool) -> torch.Tensor:
+    def _adaptive_eager(self, sent: Round, wait: bool) -> torch.Tensor:
         p, r = sent.fragment, sent.round
+        owed = self.inflight.owed(p, upto=r)
         if wait:  # the final round: every mean of the fragment, so all is applied once
-            for (q, k), s in sorted(self._sent.items()):
-                if q == p and k <= r and not s.correction_applied:
-                    self._wait(s)
-        pending = sorted(
-            k for (q, k), s in self._sent.items()
-            if q == p and k <= r and not s.correction_applied and s.mean.done()
-        )
-        sent.own_weight = self.own_weight
-        if r in pending:
-            grad = torch.from_numpy(np.asarray(sent.mean.result()[0])).clone()
-            sent.correction_applied = True
+            for s in owed:
+                self.inflight.wait_mean(s)
+        arrived = [s for s in owed if s.arrived]  # decided once, before the arithmetic
+        sent.own_weight, sent.own_applied = self.own_weight, True
+        earlier = [s for s in arrived if s is not sent]
+        if sent in arrived:
+            mean, own = self.inflight.mean(sent), None
         else:
-            grad = self.own_weight * self._own(sent)
+            mean, own = None, self.inflight.own(sent)
             self.stats.late_means += 1
-        sent.own_applied = True
-        for k in pending:
-            if k == r:
-                continue
-            old = self._sent[(p, k)]
-            grad = grad + self._correction(old)
-            old.correction_applied = True
-            self.stats.staleness.append(r - k)
+        grad = rules.adaptive_eager(mean, own, self.own_weight,
+                                    [self.inflight.arrived(s) for s in earlier])
+        for s in arrived:
+            s.correction_applied = True
+        self.stats.staleness.extend(r - s.round for s in earlier)
         return grad
 
     def _apply_outstanding(self, p: int) -> None:
         """Eager modes at the end, when no final round carried them: wait for every
-        mean of fragment ``p`` and apply the others' parts not applied yet.
-
-        This is a correction, not a round: it moves the outer parameters by
-        ``-eta * correction`` without touching the momentum, so a zero correction (one
-        worker, or means that matched the estimate) changes nothing.
-        """
-        grad = None
-        for (q, _k), sent in sorted(self._sent.items()):
-            if q != p or sent.correction_applied:
-                continue
-            self._wait(sent)
-            part = self._correction(sent)
-            grad = part if grad is None else grad + part
-            sent.correction_applied = True
-        if grad is not None:
-            state = self.outer[p]
-            with torch.no_grad():
-                state.params.add_(grad, alpha=-state.lr)
-            self.plan.scatter(self.model, p, state.params)
-
-    def _forget(self, p: int) -> None:
-        """Drop rounds of ``p`` that are fully applied and no longer referenced."""
-        done = sorted(
-            k for (q, k), s in self._sent.items()
-            if q == p and s.own_applied and s.correction_applied and s.uploaded.done()
-        )
-        # keep the newest one: the pure rule and error feedback look one round back
-        for k in done[:-1]:
-            del self._sent[(p, k)]
+        mean of fragment ``p``, then apply the others' parts not applied yet as a
+        correction (`rules.correct`: no momentum, not a round)."""
+        owed = self.inflight.owed(p)
+        for s in owed:
+            self.inflight.wait_mean(s)
+        correction = rules.outstanding([self.inflight.arrived(s) for s in owed])
+        for s in owed:
+            s.correction_applied = True
+        if correction is not None:
+            self.plan.scatter(self.model, p, rules.correct(self.outer[p], correction))
 
     # -- checkpoint and resume -------------------------------------------------------
     def state_dict(self) -> dict:
@@ -401,24 +259,14 @@ class Synchronizer:
         in the checkpoint. Rounds in flight are recorded and their means awaited
         again after the resume.
         """
-        for sent in self._sent.values():
-            sent.uploaded.result()
+        self.inflight.drain()
         return {
             "steps": self.stats.steps,
             "tokens": self._tokens,
             "tokens_at_send": list(self._tokens_at_send),
             "next_round": list(self._next_round),
-            "outer": [
-                {"params": o.params.clone(),
-                 "momentum": None if o.momentum_buffer is None else o.momentum_buffer.clone()}
-                for o in self.outer
-            ],
-            "residual": [None if r is None else r.clone() for r in self.residual],
-            "sent": [
-                {"fragment": s.fragment, "round": s.round, "own_weight": s.own_weight,
-                 "own_applied": s.own_applied, "correction_applied": s.correction_applied}
-                for s in self._sent.values()
-            ],
+            "outer": [o.state_dict() for o in self.outer],
+            **self.inflight.state_dict(),  # "residual" and "sent"
             "wait_seconds": self.stats.wait_seconds,
             "rounds_sent": self.stats.rounds_sent,
             "rounds_merged": self.stats.rounds_merged,
@@ -427,7 +275,7 @@ class Synchronizer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore from :meth:`state_dict` (the live weights are the caller's)."""
-        if self.stats.steps or self._sent:
+        if self.stats.steps or len(self.inflight):
             raise RuntimeError("load_state_dict() must come before the first step()")
         self.stats.steps = int(state["steps"])
         self._tokens = int(state["tokens"])
@@ -435,19 +283,7 @@ class Synchronizer:
         self._next_round = [int(x) for x in state["next_round"]]
         for outer, saved in zip(self.outer, state["outer"], strict=True):
             outer.load(saved["params"], saved["momentum"])
-        self.residual = [None if r is None else r.clone() for r in state["residual"]]
-        for entry in state["sent"]:
-            p, r = int(entry["fragment"]), int(entry["round"])
-            value, commit = self.exchange.fetch_delta(p, r, self.worker)
-            done: Future = Future()
-            done.set_result(Published(value, commit, False))
-            mean = self._poller.submit(self._await_mean, p, r)
-            self._sent[(p, r)] = _Sent(
-                p, r, done, done, mean,
-                own_applied=bool(entry["own_applied"]),
-                correction_applied=bool(entry["correction_applied"]),
-                own_weight=float(entry["own_weight"]),
-            )
+        self.inflight.load_state_dict(state)
         self.stats.wait_seconds = float(state.get("wait_seconds", 0.0))
         self.stats.rounds_sent = int(state.get("rounds_sent", 0))
         self.stats.rounds_merged = int(state.get("rounds_merged", 0))

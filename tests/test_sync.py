@@ -91,10 +91,12 @@ class HiddenMeans(Exchange):
 
 
 def _eager_run(cfg: SyncConfig, late: set[tuple[int, int]], total_steps: int = 16,
-               restart_at: dict[str, int] | None = None):
+               restart_at: dict[str, int] | None = None,
+               waits_in_training: dict[str, list[float]] | None = None):
     """Two workers. A mean in ``late`` reaches a worker one round late (released after
     the worker's merge of that round, awaited before its next merge of the fragment);
-    every other mean is awaited before its merge (on time)."""
+    every other mean is awaited before its merge (on time). ``waits_in_training``
+    receives each worker's ``stats.waits`` after its last step, before finish()."""
     views: dict[str, HiddenMeans] = {}
     released: dict[str, set] = {"w0": set(), "w1": set()}
 
@@ -107,10 +109,10 @@ def _eager_run(cfg: SyncConfig, late: set[tuple[int, int]], total_steps: int = 1
         for p, r in _merges(cfg, step):
             if (p, r) not in late:  # on time: visible and fetched before the merge
                 view.released.add((p, r))
-                sync._sent[(p, r)].mean.result(timeout=30)
+                assert sync.mean_arrived(p, r, timeout=30)
             if (p, r - 1) in late:  # one round late: here by the next merge
                 view.released.add((p, r - 1))
-                sync._sent[(p, r - 1)].mean.result(timeout=30)
+                assert sync.mean_arrived(p, r - 1, timeout=30)
 
     def after(worker, step, sync):
         for p, r in _merges(cfg, step):
@@ -120,6 +122,8 @@ def _eager_run(cfg: SyncConfig, late: set[tuple[int, int]], total_steps: int = 1
     def release_all(worker, step, sync):
         after(worker, step, sync)
         if step == total_steps:
+            if waits_in_training is not None:
+                waits_in_training[worker] = list(sync.stats.waits)
             views[worker].released.update(
                 (p, r) for p in range(cfg.fragments) for r in range(100))
 
@@ -166,12 +170,18 @@ def test_adaptive_eager_applies_every_contribution_once():
     cfg = SyncConfig(mode="eager", overlap=1, alpha=0.5, sync_every=4, fragments=2,
                      outer_lr=0.7, outer_momentum=0.0)
     late = {(0, 0), (1, 1), (0, 2), (1, 3)}
-    res = _eager_run(cfg, late=late)
+    waits: dict[str, list[float]] = {}
+    res = _eager_run(cfg, late=late, waits_in_training=waits)
     canonical = torch.cat([res.aggregator.canonical(p) for p in range(2)])
     for w in ("w0", "w1"):
         stats = res.traces[w].sync.stats
         assert stats.late_means == len(late)
-        assert stats.wait_seconds >= 0
+        # 16 steps, s = 2: 8 merges, none waited (eager); only finish() may wait for
+        # the last means, and wait_seconds is the sum of the waits counted
+        # merges at t = 2, 4, ..., 16 plus a final round per fragment (alpha > 0)
+        assert stats.rounds_merged == 8 + 2
+        assert waits[w] == []
+        assert stats.wait_seconds == pytest.approx(sum(stats.waits))
         torch.testing.assert_close(_outer(res, w), canonical, rtol=1e-5, atol=1e-6)
 
 
@@ -205,9 +215,11 @@ def test_eager_synchronizer_resumes_exactly_with_late_means_pending():
         assert resumed.traces[w].sync.stats.late_means == len(late)
 
 
-def _lonely_worker(stop, patience: float):
-    """w0 of a two-worker run, with no w1 and no aggregator: its first merge waits
-    for a mean that never comes unless the test publishes one."""
+def _lonely_worker(stop, patience: float, steps: int = 1):
+    """w0 of a two-worker run (H = 2, 4 steps), with no w1 and no aggregator: its
+    first merge waits for a mean that never comes unless the test publishes one.
+    After step 1, a thread runs ``steps`` more steps (the merge of round 0 at step 2,
+    of round 1 at step 4)."""
     import threading  # noqa: PLC0415
 
     from diloco.replica import Synchronizer  # noqa: PLC0415
@@ -226,7 +238,8 @@ def _lonely_worker(stop, patience: float):
 
     def second_step():  # the merge of round 0: blocks on the mean
         try:
-            sync.step(1)
+            for _ in range(steps):
+                sync.step(1)
             outcome["merged"] = True
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             outcome["error"] = exc
@@ -264,10 +277,11 @@ def test_a_merge_blocked_on_a_mean_gives_up_after_the_stop_patience():
         stop.set()
         started = time.monotonic()
         t.join(10)
-        assert not t.is_alive()
-        assert 0.4 <= time.monotonic() - started < 5
+        assert not t.is_alive()  # it gave up (a hang would fail here)
+        assert time.monotonic() - started >= 0.4  # not before the patience (0.5 s) ran out
         exc = outcome["error"]
         assert isinstance(exc, MergeAbandoned)
+        assert exc.waited >= 0.6 + 0.5  # the wait before the stop, then the patience
         assert (exc.fragment, exc.round) == (0, 0) and "fragment 0 round 0" in str(exc)
         assert sync.waiting_for is None
         assert torch.equal(sync.outer_params(0), before)
@@ -299,5 +313,36 @@ def test_a_mean_arriving_within_the_stop_patience_is_merged():
         t.join(30)
         assert outcome == {"merged": True}
         assert sync.stats.rounds_merged == 1
+    finally:
+        sync.close()
+
+
+def test_a_blocking_merge_waits_as_long_as_its_mean_is_late():
+    """Blocking DiLoCo, merges of rounds 0 and 1 at steps 2 and 4: the test withholds
+    each round's mean for 0.5 s after the merge starts waiting for it, so each merge
+    counts exactly one wait, of at least 0.5 s, and wait_seconds is their sum."""
+    import time  # noqa: PLC0415
+
+    from diloco.aggregator import Aggregator  # noqa: PLC0415
+    from diloco.run import open_exchange  # noqa: PLC0415
+    from storage.objectstore import ObjectStore  # noqa: PLC0415
+
+    late_by = 0.5
+    sync, t, outcome, u = _lonely_worker(None, patience=10.0, steps=3)
+    try:
+        ex1 = open_exchange(ObjectStore(u, name="w1"))
+        agg = Aggregator(open_exchange(ObjectStore(u, name="agg")))
+        zeros = torch.zeros_like(sync.outer_params(0)).numpy()
+        for r in (0, 1):
+            _wait_until(lambda r=r: sync.waiting_for == (0, r))
+            time.sleep(late_by)
+            ex1.publish_delta(0, r, "w1", zeros, tokens=1)
+            _wait_until(lambda r=r: agg.poll_once() or sync.waiting_for != (0, r), timeout=30)
+        t.join(30)
+        assert outcome == {"merged": True}
+        stats = sync.stats
+        assert stats.rounds_merged == 2 and len(stats.waits) == 2
+        assert min(stats.waits) >= late_by
+        assert stats.wait_seconds == pytest.approx(sum(stats.waits))
     finally:
         sync.close()

@@ -294,30 +294,46 @@ class SlowStore:
 
 
 def test_running_status_writes_never_stall_the_training_loop():
-    """With background writes, a `running` status over a link where a PUT takes
-    0.3 s returns at once (only the newest pending one is written); a final state
-    is written before update() returns and no older `running` status lands after
-    it."""
+    """With background writes, a `running` status returns without waiting for its
+    PUT: 20 updates return while every PUT is held back (only the newest pending one
+    is written, by the writer thread); a final state is written before update()
+    returns and no older `running` status lands after it."""
+    import threading  # noqa: PLC0415
     import time  # noqa: PLC0415
 
     from storage.objectstore import ObjectStore  # noqa: PLC0415
     from workers.status import StatusBoard, read_status  # noqa: PLC0415
 
+    gate = threading.Event()
+
+    class HeldStore(SlowStore):
+        """A link whose PUTs wait until the test opens the gate."""
+
+        def put(self, key, body):
+            self.callers.append(threading.current_thread())
+            gate.wait(30)
+            super().put(key, body)
+
     base = ObjectStore(f"memory://status/{time.time_ns()}")
-    slow = SlowStore(base, 0.3)
-    board = StatusBoard(slow, "w", background=True)
-    t0 = time.perf_counter()
+    held = HeldStore(base, 0.0)
+    held.callers = []
+    board = StatusBoard(held, "w", background=True)
     for step in range(1, 21):
         board.update("running", force=True, step=step)
-    assert time.perf_counter() - t0 < 0.2  # 20 updates, none waited for a PUT
+    # all 20 returned with no PUT done: none waited for one, none ran on this thread
+    assert held.puts == []
+    assert threading.current_thread() not in held.callers
+    gate.set()
     board.update("finished", force=True, step=20)
     assert read_status(base, "w")["state"] == "finished"
     time.sleep(0.7)  # whatever the writer thread still held cannot overwrite it
     assert read_status(base, "w") == {**read_status(base, "w"), "state": "finished"}
-    assert len(slow.puts) < 20  # coalesced: intermediate ones were never sent
-    assert [p["step"] for p in slow.puts] == sorted(p["step"] for p in slow.puts)
-    # without background writes, every update waits for its PUT (the old behaviour)
-    sync = StatusBoard(SlowStore(base, 0.1), "v")
-    t0 = time.perf_counter()
+    assert len(held.puts) < 20  # coalesced: intermediate ones were never sent
+    assert [p["step"] for p in held.puts] == sorted(p["step"] for p in held.puts)
+    # without background writes, every update waits for its PUT (the old behaviour):
+    # when update() returns, the PUT has landed
+    slow = SlowStore(base, 0.1)
+    sync = StatusBoard(slow, "v")
     sync.update("running", force=True, step=1)
-    assert time.perf_counter() - t0 >= 0.1
+    assert [p["step"] for p in slow.puts] == [1]
+    assert read_status(base, "v")["step"] == 1

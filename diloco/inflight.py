@@ -1,0 +1,260 @@
+"""One worker's rounds in flight: encode, upload, and the wait for each round's mean.
+
+A send hands the outer gradient to three background stages, so training goes on
+while the bytes travel: one encoder thread (in round order, because error feedback
+carries each round's residual into the next), two upload threads, and a poller per
+round that fetches the mean as soon as the aggregator commits it.
+
+The synchroniser asks this class what it needs and does the arithmetic itself
+(`diloco.rules`): a worker's own decoded contribution, which means have arrived,
+and, when a rule needs a mean that has not, a timed wait for it. The wait gives up
+(`MergeAbandoned`) once the caller asks to stop and the patience runs out. Rounds
+whose contributions are all applied are forgotten; the others are what a
+checkpoint records and a resume picks up again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from diloco import rules
+from diloco.config import SyncConfig
+from storage.exchange import Exchange, Prepared, Published
+
+
+class MergeAbandoned(RuntimeError):
+    """A merge stopped waiting for a round's mean because the caller asked to stop.
+
+    The replica is then between an inner step and that step's merge, a state no
+    checkpoint can describe: the worker should end without saving and resume from
+    its last checkpoint, as after a crash."""
+
+    def __init__(self, worker: str, fragment: int, round: int, waited: float):
+        super().__init__(
+            f"worker {worker}: stopped while waiting {waited:.0f} s for the mean of "
+            f"fragment {fragment} round {round}"
+        )
+        self.fragment, self.round, self.waited = fragment, round, waited
+
+
+@dataclass(eq=False)
+class Round:
+    """One round this worker sent: its futures and what became of its contributions.
+
+    ``own_applied``: this worker's own part was applied to its outer state;
+    ``correction_applied``: so was the others' part (the mean); ``own_weight``: the
+    ``w`` the own part was applied with, which the correction must use again."""
+
+    fragment: int
+    round: int
+    encoded: Future  # -> Prepared
+    uploaded: Future  # -> Published
+    mean: Future  # -> (np.ndarray, commit)
+    own_applied: bool = False
+    correction_applied: bool = False
+    own_weight: float = 0.0
+
+    @property
+    def arrived(self) -> bool:
+        """The mean is here (a merge can use it without waiting)."""
+        return self.mean.done()
+
+
+class InFlight:
+    """The encode/upload/poll pipeline of one worker, and the rounds in it."""
+
+    def __init__(
+        self,
+        exchange: Exchange,
+        worker: str,
+        fragments: int,
+        config: SyncConfig,
+        on_wait: Callable[[float], None],
+        *,
+        stop: threading.Event | None = None,
+        stop_patience_s: float = 10.0,
+    ):
+        """``on_wait(seconds)`` is told every time a merge waited for a mean;
+        ``stop`` and ``stop_patience_s`` as for `diloco.replica.Synchronizer`."""
+        self.exchange = exchange
+        self.worker = worker
+        self.config = config
+        self.feedback = config.feedback(exchange.manifest.codec_up.name)
+        #: error-feedback residual per fragment (None until a round left one)
+        self.residual: list[torch.Tensor | None] = [None] * fragments
+        #: (fragment, round) of the mean a merge is blocked on, else None
+        self.waiting_for: tuple[int, int] | None = None
+        self._rounds: dict[tuple[int, int], Round] = {}
+        self._on_wait = on_wait
+        self._abandon = stop
+        self.stop_patience_s = stop_patience_s
+        self._closed = threading.Event()
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix=f"enc-{worker}")
+        self._uploader = ThreadPoolExecutor(2, thread_name_prefix=f"up-{worker}")
+        self._poller = ThreadPoolExecutor(fragments + 2, thread_name_prefix=f"poll-{worker}")
+
+    def __len__(self) -> int:
+        return len(self._rounds)
+
+    # -- sending -------------------------------------------------------------------
+    def send(self, p: int, r: int, delta: torch.Tensor, *, tokens: int, final: bool,
+             step: int) -> None:
+        """Encode (with the residual), upload and await the mean of round ``r`` of
+        fragment ``p``, all in the background."""
+        previous = self._rounds.get((p, r - 1))
+        encoded = self._encoder.submit(self._encode, p, r, delta, previous)
+        uploaded = self._uploader.submit(self._upload, encoded, tokens, final, step)
+        mean = self._poller.submit(self._poll_mean, p, r)
+        self._rounds[(p, r)] = Round(p, r, encoded, uploaded, mean)
+
+    def _encode(self, p: int, r: int, delta: torch.Tensor, previous: Round | None) -> Prepared:
+        if self.feedback:
+            if previous is not None:
+                previous.encoded.result()  # its residual is set when it finishes
+            delta = rules.with_residual(delta, self.residual[p])
+        prepared = self.exchange.prepare_delta(p, r, self.worker, delta.numpy())
+        if self.feedback:
+            self.residual[p] = rules.residual_of(delta, torch.from_numpy(prepared.decoded))
+        return prepared
+
+    def _upload(self, encoded: Future, tokens: int, final: bool, step: int) -> Published:
+        prepared: Prepared = encoded.result()
+        return self.exchange.publish_prepared(
+            prepared, tokens=tokens, extra={"final": final, "step": step}
+        )
+
+    def _poll_mean(self, p: int, r: int) -> tuple[np.ndarray, dict]:
+        delay = self.config.poll_interval_s
+        while not self._closed.is_set():
+            got = self.exchange.fetch_mean(p, r)
+            if got is not None:
+                return got
+            self._closed.wait(delay)
+            delay = min(delay * 1.5, self.config.poll_max_s)
+        raise RuntimeError(f"worker {self.worker}: stopped while waiting for fragment {p} round {r}")
+
+    # -- what the rules read -------------------------------------------------------
+    def get(self, p: int, r: int) -> Round:
+        return self._rounds[(p, r)]
+
+    def of(self, p: int, upto: int | None = None) -> list[Round]:
+        """The rounds of fragment ``p`` still held (up to round ``upto``), in order."""
+        return [s for (q, k), s in sorted(self._rounds.items())
+                if q == p and (upto is None or k <= upto)]
+
+    def owed(self, p: int, upto: int | None = None) -> list[Round]:
+        """Rounds of ``p`` (up to ``upto``) whose others' part is not applied yet."""
+        return [s for s in self.of(p, upto) if not s.correction_applied]
+
+    def own(self, sent: Round) -> torch.Tensor:
+        """This worker's decoded contribution as the aggregator sees it (the
+        committed value once uploaded: a restarted worker's earlier commit wins)."""
+        if sent.uploaded.done():
+            return torch.from_numpy(np.asarray(sent.uploaded.result().decoded))
+        return torch.from_numpy(np.asarray(sent.encoded.result().decoded))
+
+    def mean(self, sent: Round) -> torch.Tensor:
+        """The round's mean ``delta^(k)``, which must have arrived (no wait here)."""
+        if not sent.arrived:
+            raise RuntimeError(f"worker {self.worker}: the mean of fragment "
+                               f"{sent.fragment} round {sent.round} has not arrived")
+        return torch.from_numpy(np.asarray(sent.mean.result()[0]))
+
+    def arrived(self, sent: Round) -> rules.Arrived:
+        """The round's mean (which must have arrived) with this worker's part."""
+        return rules.Arrived(self.mean(sent), self.own(sent), sent.own_weight)
+
+    def wait_arrival(self, p: int, r: int, timeout: float | None = None) -> bool:
+        """Whether the mean of fragment ``p`` round ``r`` has reached this worker,
+        waiting up to ``timeout`` seconds for it; an observer's wait, not counted as
+        a merge's. A round no longer held was fully applied, so its mean came."""
+        sent = self._rounds.get((p, r))
+        if sent is None:
+            return True
+        wait_futures([sent.mean], timeout=timeout)
+        return sent.mean.done() and sent.mean.exception() is None
+
+    def wait_mean(self, sent: Round) -> tuple[np.ndarray, dict]:
+        """The mean of ``sent``'s round and its commit, waiting for it if need be
+        (timed: ``on_wait``). Raises `MergeAbandoned` once ``stop`` is set and the
+        mean has not come within ``stop_patience_s``."""
+        future, p, r = sent.mean, sent.fragment, sent.round
+        if future.done():
+            return future.result()
+        start = time.perf_counter()
+        self.waiting_for = (p, r)
+        stopped_at = None
+        try:
+            while True:
+                try:
+                    value = future.result(timeout=0.25)
+                    break
+                except TimeoutError:
+                    if self._abandon is None or not self._abandon.is_set():
+                        continue
+                    now = time.perf_counter()
+                    stopped_at = stopped_at or now
+                    if now - stopped_at >= self.stop_patience_s:
+                        raise MergeAbandoned(self.worker, p, r, now - start) from None
+        finally:
+            self.waiting_for = None
+        self._on_wait(time.perf_counter() - start)
+        return value
+
+    # -- housekeeping --------------------------------------------------------------
+    def forget(self, p: int) -> None:
+        """Drop rounds of ``p`` that are fully applied and no longer referenced."""
+        done = [s.round for s in self.of(p)
+                if s.own_applied and s.correction_applied and s.uploaded.done()]
+        # keep the newest one: the pure rule and error feedback look one round back
+        for k in done[:-1]:
+            del self._rounds[(p, k)]
+
+    def drain(self) -> None:
+        """Wait until every round sent so far is committed to the store."""
+        for sent in self._rounds.values():
+            sent.uploaded.result()
+
+    def close(self) -> None:
+        """Stop background threads (without waiting for rounds in flight)."""
+        self._closed.set()
+        for pool in (self._encoder, self._uploader, self._poller):
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- checkpoint and resume -----------------------------------------------------
+    def state_dict(self) -> dict:
+        """The residuals and the rounds held, once committed (:meth:`drain` first):
+        their own values are read back from the store on resume, not kept here."""
+        return {
+            "residual": [None if r is None else r.clone() for r in self.residual],
+            "sent": [
+                {"fragment": s.fragment, "round": s.round, "own_weight": s.own_weight,
+                 "own_applied": s.own_applied, "correction_applied": s.correction_applied}
+                for s in self._rounds.values()
+            ],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take :meth:`state_dict` back: own values from the store, means awaited
+        again."""
+        self.residual[:] = [None if r is None else r.clone() for r in state["residual"]]
+        for entry in state["sent"]:
+            p, r = int(entry["fragment"]), int(entry["round"])
+            value, commit = self.exchange.fetch_delta(p, r, self.worker)
+            done: Future = Future()
+            done.set_result(Published(value, commit, False))
+            mean = self._poller.submit(self._poll_mean, p, r)
+            self._rounds[(p, r)] = Round(
+                p, r, done, done, mean,
+                own_applied=bool(entry["own_applied"]),
+                correction_applied=bool(entry["correction_applied"]),
+                own_weight=float(entry["own_weight"]),
+            )
