@@ -87,7 +87,7 @@ def contenders(modes: Sequence[str], workers: int, sync_every: int) -> list[Cont
 def dp_steps(cap: float | None, steps: int, num_parameters: int, workers: int,
              budget_s: float) -> int:
     """Steps of data-parallel at ``cap``: all of them, unless the all-reduce alone
-    (ALGORITHMS.md section 6 arithmetic) would take more than ``budget_s``."""
+    (docs/algorithms.md section 8 arithmetic) would take more than ``budget_s``."""
     if cap is None:
         return steps
     per_step = 2 * (workers - 1) / workers * 32 * num_parameters / cap

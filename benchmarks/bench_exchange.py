@@ -35,7 +35,7 @@ from each party's TrafficCounter (storage/traffic.py), per round.
 For ``s3`` the benchmark starts moto's S3 server on loopback (tests/s3server.py)
 and stops it at the end. Everything shares this machine: the "network" is loopback
 and all three parties share its cores and the GIL, so the numbers are the protocol's
-and the codecs' cost, not a WAN's; ALGORITHMS.md section 6 turns bytes into time
+and the codecs' cost, not a WAN's; docs/algorithms.md section 8 turns bytes into time
 for a real link.
 """
 

@@ -60,7 +60,7 @@ SWEEP: dict[str, list[tuple[float, float]]] = {
     "eager": [(0.7, 0.5), (0.7, 0.0), (1.0, 0.0)],
     "pure-eager": [(0.7, 0.5), (0.7, 0.0), (1.0, 0.0)],
 }
-# ALGORITHMS.md section 7: the reference's gaps to data-parallel (M=2, 600 steps).
+# the reference measurements (README, Results): the reference's gaps to data-parallel (M=2, 600 steps).
 REFERENCE_GAPS = {
     "diloco": "+4.0% (H=50)",
     "streaming": "+3.7% (float32), +3.7% (int4/int8)",
@@ -80,7 +80,7 @@ def traffic_per_step(outcome: Outcome) -> float | None:
 
 
 def dp_bytes_per_step(num_parameters: int, workers: int) -> float:
-    """fp32 ring all-reduce, ALGORITHMS.md section 6: 2 (M-1)/M x 4 bytes a parameter,
+    """fp32 ring all-reduce, docs/algorithms.md section 8: 2 (M-1)/M x 4 bytes a parameter,
     each way, per worker per step (up + down)."""
     return 2 * (2 * (workers - 1) / workers * 4 * num_parameters)
 
@@ -202,7 +202,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['seconds']:.0f}"])
     lines += [md_table(head, table), ""]
     lines.append("Data-parallel traffic is the fp32 ring all-reduce arithmetic "
-                 "(ALGORITHMS.md section 6); DiLoCo's is the exchange's object bodies "
+                 "(docs/algorithms.md section 8); DiLoCo's is the exchange's object bodies "
                  "counted by each worker's store client, up + down. Late means: merges "
                  "at which an eager worker did not yet have that round's mean.")
     if res["sweep"]:

@@ -20,7 +20,7 @@ proxy, so three counts are taken per worker:
 "Per inner step" is steady state: the bytes of the scheduled rounds (the extra final
 round a run of T steps may end with is left out) divided by the H steps between two
 rounds of a fragment, summed over fragments. The whole run's numbers are beside it.
-Data-parallel is the fp32 ring all-reduce of ALGORITHMS.md section 6 for the same
+Data-parallel is the fp32 ring all-reduce of docs/algorithms.md section 8 for the same
 parameter count, and, when this runs as root (``--dp-netns``), also measured: two
 data-parallel ranks in their own network namespaces, Ethernet bytes on their veths
 (gloo's all-reduce plus the status object) over ``--dp-steps`` steps.

@@ -269,7 +269,7 @@ def outcome(contender: Contender, cfg, run_url: str, results: list[dict[str, Any
 
 def canonical_eval(run_url: str, cfg, storage_options: dict | None = None) -> float:
     """Eval loss of the run's canonical model: the aggregator's outer parameters after
-    every round (ALGORITHMS.md section 4, last point), on the workers' val batches."""
+    every round (docs/algorithms.md section 6, last point), on the workers' val batches."""
     import torch  # noqa: PLC0415
 
     from diloco.run import load_canonical, open_exchange, plan_for  # noqa: PLC0415

@@ -5,7 +5,7 @@ budget. This module holds that common ground:
 
 - the reference recipe (``reference_overrides``): a 0.89M-parameter byte-level
   Llama on the installed Shakespeare corpus, close to the 0.87M reference model of
-  ALGORITHMS.md section 7;
+  the reference measurements (README, Results);
 - the synchronisation modes (``MODES``) and codec pairs (``CODECS``) a contender
   picks from, and the labels the reports print for them;
 - the dataset, prepared once into a local directory (``ensure_dataset``).
@@ -22,7 +22,7 @@ from pathlib import Path
 log = logging.getLogger("benchmarks")
 
 
-# About the reference model of ALGORITHMS.md section 7 (0.87M parameters, byte level):
+# About the reference model of the reference measurements (README, Results) (0.87M parameters, byte level):
 # 4 blocks of width 128, 4 heads, SwiGLU 384: 885,888 parameters.
 REFERENCE_MODEL = "{d_model: 128, n_layers: 4, n_heads: 4, max_seq_len: 128}"
 
@@ -48,7 +48,7 @@ def reference_overrides(steps: int = 600, data_url: str | None = None) -> list[s
     return out
 
 
-# Synchronisation modes (ALGORITHMS.md sections 2-4); H is set per contender.
+# Synchronisation modes (docs/algorithms.md sections 4-6); H is set per contender.
 MODES: dict[str, list[str]] = {
     "diloco": ["sync.mode=diloco", "sync.fragments=1", "sync.overlap=0"],
     "streaming": ["sync.mode=streaming", "sync.fragments=2", "sync.overlap=1",

@@ -1,6 +1,6 @@
 """Configuration of the synchronisation between replicas.
 
-One pydantic model holds every knob of ALGORITHMS.md (H, P, tau, alpha, the outer
+One pydantic model holds every knob of docs/algorithms.md (H, P, tau, alpha, the outer
 optimizer, the codecs, the aggregator's quorum), validates on construction and says
 which field is wrong and what is allowed. The names follow the papers' symbols in
 their docstrings so a reader can map them: ``sync_every`` is H, ``fragments`` is P,
@@ -20,7 +20,7 @@ Mode = Literal["diloco", "streaming", "eager"]
 EagerRule = Literal["adaptive", "pure"]
 Pattern = Literal["strided", "sequential"]
 
-# Outer optimizer defaults per mode (ALGORITHMS.md sections 1 and 4). Blocking and
+# Outer optimizer defaults per mode (docs/algorithms.md sections 2 and 6). Blocking and
 # streaming use DiLoCo's 0.7 / 0.9. Stale updates and outer momentum do not mix
 # (measured: pure eager with momentum 0.9 is 16% behind data-parallel, with 0.5 or
 # with momentum 0 and lr 1.0 about 7%), so eager mode defaults to momentum 0.5.

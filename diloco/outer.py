@@ -2,7 +2,7 @@
 
 Workers and the aggregator both keep this state on the CPU in float32 and step it
 with ``torch.optim.SGD(lr, momentum, nesterov=True)`` fed the decoded mean as
-``.grad`` (ALGORITHMS.md section 1). Same input bytes and same kernels: every party
+``.grad`` (docs/algorithms.md section 1). Same input bytes and same kernels: every party
 that applies the same means computes the same bits, which the tests check.
 """
 

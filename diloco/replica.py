@@ -1,6 +1,6 @@
 """The per-worker synchroniser: call ``step()`` after every inner optimizer step.
 
-It follows the schedule of ALGORITHMS.md section 3 with two verbs. At a fragment's
+It follows the schedule of docs/algorithms.md section 5 with two verbs. At a fragment's
 send step it computes ``delta = theta_out - theta_m`` and hands it to the rounds in
 flight (`diloco.inflight`: encode with error feedback, upload, poll for the mean).
 At the merge step it collects what its mode needs from them (the mean, waited for

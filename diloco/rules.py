@@ -1,4 +1,4 @@
-"""The replica's arithmetic of ALGORITHMS.md sections 3-5, as pure functions.
+"""The replica's arithmetic of docs/algorithms.md sections 5-7, as pure functions.
 
 Tensors in, tensors out: no store, no threads, no waiting. The synchroniser
 gathers what a rule needs (the live fragment, the decoded contributions, the means

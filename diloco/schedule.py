@@ -1,4 +1,4 @@
-"""The streaming schedule, exactly as ALGORITHMS.md section 3 pins it.
+"""The streaming schedule, exactly as docs/algorithms.md section 5 pins it.
 
 Inner steps count from 1. Let ``s = H / P``. The k-th merge point (``t = k * s``,
 k = 1, 2, ...) belongs to fragment ``(k - 1) % P`` and is that fragment's round

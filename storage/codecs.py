@@ -1,4 +1,4 @@
-"""Blockwise codecs for outer gradients (ALGORITHMS.md section 5).
+"""Blockwise codecs for outer gradients (docs/algorithms.md section 7).
 
 Workers in different regions must agree on the *bytes* of every exchanged
 tensor, so each codec here is a pure-numpy function pinned down to the bit:
@@ -88,7 +88,7 @@ _F16_OVERFLOW = np.float32(65520.0).view(np.uint32)
 class CodecSpec:
     """Which codec and block size a fragment is sent with; stored in the manifest.
 
-    ``block_size`` is B of ALGORITHMS.md section 5: smaller blocks track local
+    ``block_size`` is B of docs/algorithms.md section 7: smaller blocks track local
     magnitude better but spend 32 bits of scale per B values.
     """
 

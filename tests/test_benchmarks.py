@@ -37,7 +37,7 @@ def test_reference_model_size():
 
 
 def test_data_parallel_arithmetic():
-    """ALGORITHMS.md section 6: a ring all-reduce sends and receives 2 (M-1)/M x 32 bits
+    """docs/algorithms.md section 8: a ring all-reduce sends and receives 2 (M-1)/M x 32 bits
     per parameter each way: 4 bytes at M = 2, 6 bytes at M = 4."""
     assert bench_traffic.dp_arithmetic(N, 2) == {"up": 4 * N, "down": 4 * N}
     assert bench_traffic.dp_arithmetic(N, 4) == {"up": 6 * N, "down": 6 * N}

@@ -1,4 +1,4 @@
-"""Blockwise codecs (storage/codecs.py, quantizers.py, zarr_codec.py; ALGORITHMS.md section 5).
+"""Blockwise codecs (storage/codecs.py, quantizers.py, zarr_codec.py; docs/algorithms.md section 7).
 
 The fast codecs use bit tricks and chunking; ``ref_encode``/``ref_decode`` below
 are the formulas of section 5 written out plainly, and the fast path must match

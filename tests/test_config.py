@@ -1,5 +1,5 @@
 """SyncConfig: validation messages that name the field and what is allowed, the
-per-mode defaults of ALGORITHMS.md sections 1 and 4, and the derived knobs."""
+per-mode defaults of docs/algorithms.md sections 2 and 6, and the derived knobs."""
 
 from __future__ import annotations
 

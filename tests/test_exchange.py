@@ -283,7 +283,7 @@ def test_publish_then_discover_and_fetch_bit_for_bit(new_run, codec):
     if codec == "none":
         np.testing.assert_array_equal(bits(decoded), bits(x0))
     else:
-        # the published value is the pinned codec's decode(encode(x)) (ALGORITHMS.md 5)
+        # the published value is the pinned codec's decode(encode(x)) (docs/algorithms.md section 7)
         _, reference = roundtrip(x0, CodecSpec(codec, B))
         np.testing.assert_array_equal(bits(decoded), bits(reference))
 

@@ -1,4 +1,4 @@
-"""plan_fragments (ALGORITHMS.md section 3, "Fragments"): strided and sequential
+"""plan_fragments (docs/algorithms.md section 5, "Fragments"): strided and sequential
 patterns, the rest of the model in fragment 0 or on its own, explicit lists, tied
 weights, the gather/scatter round trip and the manifest check.
 

@@ -1,4 +1,4 @@
-"""Numeric identities of DiLoCo (ALGORITHMS.md section 2) and MaxText's two-replica
+"""Numeric identities of DiLoCo (docs/algorithms.md section 4) and MaxText's two-replica
 linear-regression case, re-derived by hand. Replicas and the aggregator run as
 threads on one memory:// store."""
 

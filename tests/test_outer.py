@@ -1,5 +1,5 @@
 """OuterState: SGD with Nesterov momentum fed the outer gradient "old minus new"
-(ALGORITHMS.md section 1), with the arithmetic written out by hand.
+(docs/algorithms.md section 1), with the arithmetic written out by hand.
 
 torch's SGD, Nesterov, no weight decay, for gradient g:
   first step:  buf = g
@@ -19,7 +19,7 @@ DELTA = torch.tensor([1.0, -2.0])
 
 
 def close(a: torch.Tensor, expected: list[float]) -> None:
-    """Equal up to float32 rounding (relative 1e-6, ALGORITHMS.md section 2)."""
+    """Equal up to float32 rounding (relative 1e-6, docs/algorithms.md section 4)."""
     torch.testing.assert_close(a, torch.tensor(expected), rtol=1e-6, atol=1e-6)
 
 

@@ -58,7 +58,7 @@ def test_merge_steps_then_lerps_toward_the_live_side():
 
 
 def test_merge_uses_the_pinned_lerp_form_bit_for_bit():
-    """ALGORITHMS.md section 3 pins ``torch.lerp(theta_new, theta_m, alpha)``; the
+    """docs/algorithms.md section 5 pins ``torch.lerp(theta_new, theta_m, alpha)``; the
     algebraically equal ``(1 - alpha) * theta_new + alpha * theta_m`` has other bits."""
     g = torch.Generator().manual_seed(3)
     start, grad, live = (torch.randn(4096, generator=g) for _ in range(3))

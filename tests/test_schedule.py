@@ -1,4 +1,4 @@
-"""The streaming schedule (ALGORITHMS.md section 3), checked against tables derived by
+"""The streaming schedule (docs/algorithms.md section 5), checked against tables derived by
 hand.
 
 Rule being checked: s = H / P; the k-th merge point t = k * s (k = 1, 2, ...) belongs
@@ -268,7 +268,7 @@ def test_rounds_in_run_h4_p2_tau1(total, sent, a0, a05):
 def test_rounds_in_run_h6_p2_tau2_in_flight_with_local_steps():
     # H = 6, P = 2, tau = 2: fragment 0 sent at 1, merges at 3. At T = 2 it is in
     # flight with one local step (step 2) after its send. Alpha 0 discards that step
-    # at the merge (ALGORITHMS.md section 3), so no final round; alpha > 0 keeps it.
+    # at the merge (docs/algorithms.md section 5), so no final round; alpha > 0 keeps it.
     sched = Schedule(6, 2, 2)
     assert sched.rounds_sent_by(0, 2) == 1
     assert sched.rounds_in_run(2, 0.0) == [1, 1]  # f1 never sent: 0 + 1

@@ -62,7 +62,7 @@ def test_non_eager_workers_hold_canonical_state_bit_for_bit(codec):
 @pytest.mark.parametrize("rule", ["pure", "adaptive"])
 def test_one_worker_eager_equals_blocking(rule):
     """M = 1, codec none: eager updates (alpha 0) equal blocking DiLoCo, step by step,
-    bit for bit (ALGORITHMS.md section 4)."""
+    bit for bit (docs/algorithms.md section 6)."""
     common = dict(sync_every=3, fragments=1, outer_lr=0.7, outer_momentum=0.9)
     blocking = train_replicas(url(), Blocks, data, SyncConfig(mode="diloco", **common),
                               workers=("w0",), total_steps=12)
