@@ -40,8 +40,8 @@ spec)::
 
 Two limits the formulas above imply, enforced rather than silently broken:
 fp16 rounds ``|x| >= 65520`` to inf, and int8 with ``s`` equal to float32's
-largest value decodes ``127 * fl(s / 127)`` to inf (the one scale for which
-section 5's "this order cannot overflow" fails; int4 has none). Both raise
+largest value decodes ``127 * fl(s / 127)`` to inf (the one scale for which the
+decode order overflows; int4 and fp4 have none). Both raise
 ``NonFiniteValues`` in ``encode``; ``decode`` rejects such an int8 scale as
 corrupt. Bit-exactness assumes IEEE default rounding without flush-to-zero
 (``torch.set_flush_denormal(True)`` in the same process would change subnormals).
