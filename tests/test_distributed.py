@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_worker import MICRO as WORKER_MICRO
 
 from diloco.aggregator import Aggregator
 from diloco.run import open_exchange
@@ -25,22 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 STEP = re.compile(r"workers\.progress: (\S+) step (\d+) loss ([0-9.]+)")
 
-MICRO = [
-    "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
-    "data.seq_len=32",
-    "data.batch_size=8",
-    "optim.warmup_steps=5",
-    "optim.lr=0.01",
-    "train.eval_every=0",
-    "train.eval_batches=2",
-    "train.log_every=1",
-    "train.threads=1",
-    "train.checkpoint_every=0",
-    "train.steps=16",
-    "sync.sync_every=8",
-    "sync.fragments=2",
-    "sync.overlap=1",
-]
+MICRO = [*WORKER_MICRO, "train.checkpoint_every=0", "train.steps=16"]
 
 
 @pytest.fixture(scope="module")

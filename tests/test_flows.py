@@ -234,7 +234,7 @@ def test_a_worker_blocked_on_a_mean_still_stops(data_url, tmp_path, monkeypatch)
     job.start()
     store = open_run(url).store
     try:
-        wait_for(lambda: blocked_in(job, "_wait", os.path.join("diloco", "replica.py")), 60,
+        wait_for(lambda: blocked_in(job, "wait_mean", os.path.join("diloco", "inflight.py")), 60,
                  "region-a waiting for its first mean")
     finally:
         stop.set()
