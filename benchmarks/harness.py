@@ -494,15 +494,16 @@ def run_contender(contender: Contender, base: Sequence[str], workdir: Path, *,
 
 
 def tracking_hooks(run_url: str, cfg, storage_options: dict | None = None) -> Any:
-    """MLflow hooks for the run when flows/ provides them (flows.hooks.make_hooks),
-    else None. A failure here never stops a benchmark."""
+    """MLflow hooks for the run (tracking.mlflow_hooks.hooks_for), else None. A
+    failure here never stops a benchmark."""
     try:
-        from flows.hooks import make_hooks  # noqa: PLC0415
+        from tracking.mlflow_hooks import hooks_for  # noqa: PLC0415
     except ImportError:
         return None
     try:
-        hooks = make_hooks(run_url, role="train", storage_options=storage_options)
-        hooks.run_started(cfg.model_dump(mode="json"), run_url, resumed=False)
+        hooks = hooks_for(run_url, role="train", storage_options=storage_options)
+        hooks.run_started(cfg.model_dump(mode="json"), run_url, resumed=False,
+                          n_params=cfg.model_config_resolved.num_parameters())
         return hooks
     except Exception as exc:  # noqa: BLE001 - tracking is best effort
         log.warning("MLflow hooks unavailable for %s: %s", run_url, exc)
@@ -512,10 +513,10 @@ def tracking_hooks(run_url: str, cfg, storage_options: dict | None = None) -> An
 def mlflow_status() -> str:
     """Whether contenders' runs reach MLflow, for the report."""
     try:
-        import flows.tracking  # noqa: F401, PLC0415
+        import tracking.mlflow_hooks  # noqa: F401, PLC0415
     except ImportError:
-        return "flows.tracking is not importable: flows.hooks.make_hooks gives no-op hooks"
-    return "flows.hooks.make_hooks(run_url, role='train') per contender"
+        return "tracking.mlflow_hooks is not importable: no MLflow hooks"
+    return "tracking.mlflow_hooks.hooks_for(run_url, role='train') per contender"
 
 
 # -- reports ----------------------------------------------------------------------------

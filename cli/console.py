@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from tracking.mlflow_hooks import tracking_enabled
+from tracking.settings import tracking_enabled
 
 # In a terminal, its width; piped (CI, tests, logs), wide enough for the tables.
 console = Console(width=None if sys.stdout.isatty() else 110)
