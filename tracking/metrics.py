@@ -18,16 +18,17 @@ def is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _metric(name: str, value: float, ts: int, step: int) -> Any:
+def _metric_type() -> Any:
     from mlflow.entities import Metric  # noqa: PLC0415 - MLflow only once tracking is on
 
-    return Metric(name, float(value), ts, step)
+    return Metric
 
 
 def numbers(report: dict[str, Any], ts: int, step: int, *, prefix: str = "",
             skip: tuple[str, ...] = ()) -> list[Any]:
     """Every number of ``report`` (not ``skip``) as a metric at ``step``."""
-    return [_metric(prefix + name, value, ts, step) for name, value in report.items()
+    metric = _metric_type()
+    return [metric(prefix + name, float(value), ts, step) for name, value in report.items()
             if name not in skip and is_number(value)]
 
 
@@ -50,26 +51,28 @@ def round_metrics(report: dict[str, Any], schedule: dict[str, int], ts: int,
                   k: int) -> list[Any]:
     """The aggregator's metrics of one round, at step ``k`` (see the module
     docstring); ``inner_step`` when the schedule says where merge point k is."""
+    metric = _metric_type()
     p = int(report.get("fragment", 0))
     weights = report.get("weights") or {}
-    out = [_metric(f"grad_norm/frag{p}", report.get("grad_norm", math.nan), ts, k),
-           _metric("participation", len(weights), ts, k),
-           _metric("rejected", len(report.get("rejected") or {}), ts, k),
-           _metric("round_seconds", report.get("seconds", math.nan), ts, k)]
-    out += [_metric(f"weight/{w}", v, ts, k) for w, v in weights.items()]
-    out += [_metric(name, report[name], ts, k) for name in ROUND_EXTRAS
+    out = [metric(f"grad_norm/frag{p}", float(report.get("grad_norm", math.nan)), ts, k),
+           metric("participation", float(len(weights)), ts, k),
+           metric("rejected", float(len(report.get("rejected") or {})), ts, k),
+           metric("round_seconds", float(report.get("seconds", math.nan)), ts, k)]
+    out += [metric(f"weight/{w}", float(v), ts, k) for w, v in weights.items()]
+    out += [metric(name, float(report[name]), ts, k) for name in ROUND_EXTRAS
             if is_number(report.get(name))]
     frags = int(schedule.get("fragments") or 0)
     if frags > 0 and schedule.get("sync_every"):
         inner = (k + 1) * (int(schedule["sync_every"]) // frags)
         if schedule.get("total_steps"):
             inner = min(inner, int(schedule["total_steps"]))
-        out.append(_metric("inner_step", inner, ts, k))
+        out.append(metric("inner_step", float(inner), ts, k))
     return out
 
 
 def eval_metrics(values: dict[str, float], rounds: int, ts: int) -> list[Any]:
     """The final evaluation of the canonical model, at the index of the last round
     applied (whose report already placed ``inner_step`` there)."""
+    metric = _metric_type()
     k = max(0, rounds - 1)
-    return [_metric(name, v, ts, k) for name, v in values.items()]
+    return [metric(name, float(v), ts, k) for name, v in values.items()]

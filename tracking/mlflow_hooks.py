@@ -59,6 +59,7 @@ from tracking.settings import (
     tracking_enabled,
     without_credentials,
 )
+from tracking.system_metrics import SystemMonitors
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +127,8 @@ class MlflowHooks(Hooks):
         self.flush_every = flush_every
         self.close_timeout = (close_timeout if close_timeout is not None
                               else default_close_timeout())
-        self.system_metrics = (system_metrics_enabled() if system_metrics is None
-                               else system_metrics)
+        self.monitors = SystemMonitors(system_metrics_enabled() if system_metrics is None
+                                       else system_metrics)
 
         self._lock = threading.Lock()
         self._tasks: deque[_Task] = deque()
@@ -135,7 +136,6 @@ class MlflowHooks(Hooks):
         self._runs: dict[str, str] = {}  # run key ("parent", "worker:a", ...) -> run id
         self._dead_keys: dict[str, str] = {}  # run key -> why it cannot be logged to
         self._opened: dict[str, bool] = {}  # runs this process started -> ended?
-        self._monitors: dict[str, Any] = {}
         self._config: dict[str, Any] | None = None
         self._n_params: int | None = None
         self._round_counter = 0
@@ -257,7 +257,7 @@ class MlflowHooks(Hooks):
                 lost.update(task.lost)
         lost["metrics"] += self.sender.not_logged()
         self.not_logged = {k: int(v) for k, v in lost.items() if v}
-        self._stop_monitors(wait=2.0)
+        self.monitors.stop_all(wait=2.0)
         if self.not_logged:
             what = ", ".join(f"{v} {k}" for k, v in sorted(self.not_logged.items()))
             log.warning(
@@ -373,7 +373,7 @@ class MlflowHooks(Hooks):
         self.sender.route(key, run_id)
         if key == self.role or (key == "parent" and self.role == "train"):
             self._opened[key] = False  # this process's job: it starts and ends the run
-            self._start_monitor(key, resumed=resumed)
+            self.monitors.start(key, run_id, tracking_uri=self.links.uri, resumed=resumed)
 
     def _start_parent(self, resumed: bool) -> None:
         run_id = self.links.start_parent(self._config or {}, start_ms=self._started_ms)
@@ -410,7 +410,7 @@ class MlflowHooks(Hooks):
 
     def _end_run(self, key: str, status: str, state: str) -> None:
         run_id = self._require(key)
-        self._stop_monitor(key)
+        self.monitors.stop(key)
         self.links.end(run_id, status, state)
         self._opened[key] = True
 
@@ -462,38 +462,3 @@ class MlflowHooks(Hooks):
             client.log_batch(parent, metrics=metrics, synchronous=True)
         state = str(summary.get("state", "finished"))
         self._end_run("parent", _STATUS.get(state, "FINISHED"), state)
-
-    # -- system metrics -------------------------------------------------------------------
-
-    def _start_monitor(self, key: str, *, resumed: bool) -> None:
-        if not self.system_metrics or key in self._monitors:
-            return
-        try:
-            from mlflow.system_metrics.system_metrics_monitor import (  # noqa: PLC0415
-                SystemMetricsMonitor,
-            )
-        except ImportError as exc:
-            log.info("MLflow system metrics off: %s (install psutil to have them)", exc)
-            self.system_metrics = False
-            return
-        try:
-            monitor = SystemMetricsMonitor(self._runs[key], resume_logging=resumed,
-                                           tracking_uri=self.links.uri)
-            monitor.start()
-            self._monitors[key] = monitor
-        except Exception as exc:  # noqa: BLE001 - never stop tracking for it
-            log.info("MLflow system metrics not started for %s: %s", key, exc)
-
-    def _stop_monitor(self, key: str, wait: float = 2.0) -> None:
-        monitor = self._monitors.pop(key, None)
-        if monitor is None:
-            return
-        # finish() joins the sampling thread, which may be in a request: bounded
-        stopper = threading.Thread(target=monitor.finish, daemon=True)
-        stopper.start()
-        stopper.join(wait)
-
-    def _stop_monitors(self, wait: float) -> None:
-        for key in list(self._monitors):
-            self._stop_monitor(key, wait)
-
