@@ -1,28 +1,33 @@
-"""Metrics to MLflow without ever making training wait: MLflow's asynchronous
-logging, and the small outage buffer it does not have.
+"""Metrics to MLflow without making training wait: MLflow's asynchronous logging,
+and the small outage buffer it does not have.
 
 A hook call whose run is known, while the server answers, hands its metrics to
 ``MlflowClient.log_batch(..., synchronous=False)``: MLflow's ``AsyncLoggingQueue``
-sends them from its own threads and returns at once. What MLflow's queue does not
-do, measured with MLflow 3.17 (``benchmarks/bench_tracking.py`` and the module
-docstring of `tracking.mlflow_hooks`):
+puts them in its queue, a thread of its own hands each batch to a pool of ten
+threads that send it, and the call returns a ``RunOperations``. What that queue
+does when the server is slow or away (MLflow 3.17; found by experiment, see
+``benchmarks/bench_tracking.py`` and the figures in `tracking.mlflow_hooks`):
 
-- it never retries: a batch that fails (after the HTTP client's own retries) is
-  dropped, with an error in the log; the caller learns it only from the returned
-  ``RunOperations`` (``wait()`` raises);
-- it has no bound: its queue grows for as long as the server is slow or away;
-- its flush (``set_terminated`` runs one) waits for every queued batch, however long.
+- the call never blocks and never raises: about 20 us, also with nothing listening;
+- a batch that fails (after the HTTP client's own retries: about 3 s when the
+  port refuses, about 30 s when nothing answers) is dropped for good, with an
+  error in the log per batch; nothing is retried later, not even once the server
+  is back; only ``RunOperations.wait()`` raises;
+- the queue has no bound, and its flush (``set_terminated`` runs one) waits for
+  every batch in it, as does the process's exit: 200 queued batches with the
+  server down took 49 s to flush;
+- with ``MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS`` set it merges queued batches,
+  but reports a failure only on the first batch of a merge (the others' wait()
+  returns as if logged): leave it unset, so that every failed batch is seen.
 
-So this module keeps what is not confirmed yet: each ``RunOperations`` with its
-metrics (`confirm` waits on them from the hooks' thread; a failed batch comes back
-to the buffer), and a bounded buffer (``max_buffer`` metrics, oldest dropped and
-counted) for metrics of a run not created yet and for everything logged during an
-outage. `resend` sends the buffer synchronously from the hooks' thread: the first
-answer tells a dead server (retry later, with backoff) from a refusal (count and drop).
-
-MLflow merges queued batches when ``MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS`` is set,
-but then reports a failure only on the first batch of a merge (the others' wait()
-returns as if logged): leave it unset, so that every failed batch is seen.
+So this module adds: a window (``window`` batches at most in MLflow's queue,
+which bounds what a process exit waits for to one round of requests); `confirm`,
+which waits on each ``RunOperations`` from the hooks' thread and brings a failed
+batch back; and a bounded buffer (``max_buffer`` metrics, oldest dropped and
+counted) for metrics of a run not created yet, past the window, and during an
+outage. `resend` sends that buffer synchronously from the hooks' thread, up to
+1000 metrics a request: the answer tells a dead server (retry later, with
+backoff) from a refusal (count and drop).
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class MetricSender:
         self._sent: deque[tuple[str, list[Any], Any]] = deque()  # key, metrics, RunOperations
         self._sent_n = 0
         self._sending: list[Held] = []
+        self._keys: set[str] = set()  # every key that has had metrics buffered
         self._routes: dict[str, str] = {}  # run key -> run id
         self._dead: dict[str, str] = {}  # run key -> why it cannot be logged to
 
@@ -99,6 +105,7 @@ class MetricSender:
             else:
                 self._held.append(item)
             self._held_n += item.n
+            self._keys.add(item.key)
             while self._held_n > self.max_buffer and self._held:
                 gone = self._held.popleft()
                 self._held_n -= gone.n
@@ -115,7 +122,7 @@ class MetricSender:
     def unrouted(self) -> list[str]:
         """Keys with buffered metrics and no run yet (the hooks resolve them)."""
         with self._lock:
-            keys = {h.key for h in self._held}
+            keys = set(self._keys)
         return sorted(keys - set(self._routes) - set(self._dead))
 
     def confirm(self) -> None:
@@ -193,6 +200,10 @@ class MetricSender:
         with self._lock:
             return (self.dropped + self._held_n + self._sent_n
                     + sum(item.n for item in self._sending))
+
+    def queued(self) -> bool:
+        """Batches are in MLflow's queue, not confirmed yet."""
+        return bool(self._sent)
 
     def idle(self) -> bool:
         with self._lock:
