@@ -158,11 +158,11 @@ class MetricSender:
             try:
                 self.client.log_batch(run_id, metrics=metrics, synchronous=True)
             except Exception as exc:
-                if not is_permanent(exc):
+                if not is_permanent(exc):  # back in front, built (a round's step is set)
                     with self._lock:
                         self._sending = []
-                    for item in reversed(batch):
-                        self._hold(item, oldest=True)
+                    n = sum(item.n for item in batch)
+                    self._hold(Held(key, lambda m=metrics: m, n), oldest=True)
                     raise
                 self._drop(batch, f"{key}: {exc}")
             else:
