@@ -295,7 +295,8 @@ def tracking_hooks(run_url: str, cfg, storage_options: dict | None = None) -> An
 
     try:
         hooks = hooks_for(run_url, role="train", storage_options=storage_options)
-        hooks.run_started(cfg.model_dump(mode="json"), run_url, resumed=False)
+        hooks.run_started(cfg.model_dump(mode="json"), run_url, resumed=False,
+                          n_params=cfg.model_config_resolved.num_parameters())
         return hooks
     except Exception as exc:  # noqa: BLE001 - tracking is best effort
         log.warning("MLflow hooks unavailable for %s: %s", run_url, exc)

@@ -37,7 +37,7 @@ def versions() -> dict[str, str]:
 
 def mlflow_status() -> str:
     """Whether contenders' runs reach MLflow, for the report."""
-    from tracking.mlflow_hooks import tracking_enabled  # noqa: PLC0415 - mlflow settings
+    from tracking.settings import tracking_enabled  # noqa: PLC0415 - mlflow settings
 
     if not tracking_enabled():
         return "tracking off (DILOCO_TRACKING=off): no-op hooks"

@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from tracking.mlflow_hooks import tracking_enabled
+from tracking.settings import tracking_enabled
 from workers.data.errors import DataError
 
 # In a terminal, its width; piped (CI, tests, logs), wide enough for the tables.

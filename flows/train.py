@@ -95,7 +95,8 @@ def run_train(
         exchange = create_run(config, run_url, storage_options=storage_options,
                               init_from=init_from)
     hooks = hooks or job_hooks(run_url, "train", storage_options)
-    hooks.run_started(config.model_dump(mode="json"), run_url, resumed=resume)
+    hooks.run_started(config.model_dump(mode="json"), run_url, resumed=resume,
+                      n_params=sum(f.numel for f in exchange.manifest.fragments))
 
     snap = snapshot(exchange)
     todo = [w for w in exchange.manifest.workers

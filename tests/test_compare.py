@@ -27,12 +27,11 @@ import test_tracking
 import typer
 from mlflow import MlflowClient
 from rich.console import Console
-from test_tracking import fake_run, tiny_config
+from test_tracking import fake_run, tiny_config, tiny_parameters
 from typer.testing import CliRunner
 
 from cli.compare import compare_command, rich_table
 from tracking.compare import CompareError, compare
-from tracking.mlflow_hooks import model_parameters
 from tracking.plots import OVERLAY_PLOTS
 
 mlflow_db_template = test_tracking.mlflow_db_template  # the session fixture, shared
@@ -64,7 +63,7 @@ def tracked(tmp_path_factory: pytest.TempPathFactory,
 
 
 def test_compare_two_runs(tracked: dict[str, str], tmp_path: Path) -> None:
-    n = model_parameters(tiny_config())
+    n = tiny_parameters(tiny_config())
     assert n == 3_279_104  # the tiny preset, as in the module docstring
     out = tmp_path / "cmp"
     console = Console(record=True, width=250)
@@ -118,7 +117,7 @@ def test_compare_two_runs(tracked: dict[str, str], tmp_path: Path) -> None:
 
 
 def test_compare_alone_uses_the_formula(tracked: dict[str, str], tmp_path: Path) -> None:
-    n = model_parameters(tiny_config())
+    n = tiny_parameters(tiny_config())
     result = compare(["tags.`diloco.strategy` = 'diloco'"], tracking_uri=tracked["uri"],
                      out_dir=tmp_path / "one", formats=("csv",))
     (row,) = result.rows

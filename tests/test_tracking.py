@@ -29,9 +29,10 @@ from mlflow import MlflowClient
 
 from storage.objectstore import ObjectStore
 from tracking.hooks import Hooks
-from tracking.mlflow_hooks import TRACKING_KEY, MlflowHooks, hooks_for
+from tracking.mlflow_hooks import MlflowHooks, hooks_for
 from tracking.plots import RUN_PLOTS
-from workers.config import load_config
+from tracking.runs import TRACKING_KEY
+from workers.config import RunConfig, load_config
 
 try:
     from mlflow_server import MlflowServer
@@ -50,6 +51,18 @@ def tiny_config(strategy: str = "diloco", steps: int = STEPS) -> dict[str, Any]:
         "sync.overlap=0", "data.batch_size=4", "data.seq_len=32",
     ])
     return cfg.model_dump(mode="json")
+
+
+def tiny_parameters(config: dict[str, Any]) -> int:
+    """The parameter count of the config's model, built on the meta device (no
+    memory) and counted: what the train job reads from the run's manifest."""
+    import torch  # noqa: PLC0415
+
+    from workers.model import Transformer  # noqa: PLC0415
+
+    with torch.device("meta"):
+        model = Transformer(RunConfig.model_validate(config).model_config_resolved)
+    return sum(p.numel() for p in model.parameters())
 
 
 def worker_loss(worker: str, step: int, strategy: str) -> float:
@@ -83,7 +96,7 @@ def fake_run(
     cfg = tiny_config(strategy, steps)
     tokens_per_step = 4 * 32
     train = hooks_for(run_url, role="train", storage_options=storage_options)
-    train.run_started(cfg, run_url, resumed=False)
+    train.run_started(cfg, run_url, resumed=False, n_params=tiny_parameters(cfg))
     workers = {w: hooks_for(run_url, role=f"worker:{w}", storage_options=storage_options)
                for w in WORKERS}
     agg = hooks_for(run_url, role="aggregator", storage_options=storage_options)
@@ -268,7 +281,7 @@ def test_tracking_off_gives_noop_hooks(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 
 def test_default_uri_is_sqlite_in_cwd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from tracking.mlflow_hooks import default_tracking_uri, flatten, strip_credentials
+    from tracking.settings import default_tracking_uri, flatten, strip_credentials
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)

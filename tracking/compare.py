@@ -8,7 +8,7 @@ keep parent runs (those the train job created). A row per run:
 - final and best eval loss of the model the run produces (the aggregator's
   canonical model; the workers' mean for data-parallel),
 - tokens processed (all workers), bytes exchanged (all workers, up + down; for
-  data-parallel the ring all-reduce volume, see `tracking.plots`),
+  data-parallel the ring all-reduce volume, see `tracking.curves`),
 - the reduction in bytes against data-parallel: against a data-parallel run among
   those compared when there is one, else against the all-reduce formula for this
   run's own model, workers and steps; the ``reduction basis`` column says which,
@@ -28,13 +28,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tracking.mlflow_hooks import (
+from tracking.curves import RunCurves, load_run_curves
+from tracking.plots import fmt_bytes, plot_overlay
+from tracking.settings import (
     artifact_location,
     default_tracking_uri,
     experiment_name,
     short_http_retries,
 )
-from tracking.plots import RunCurves, fmt_bytes, load_run_curves, plot_overlay
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """What the jobs report beyond the store: the seam between orchestration and tracking.
 
 The worker, aggregator and train jobs (``flows/``) call these methods; the default
-does nothing, and `tracking.mlflow_hooks.MlflowHooks` implements them with MLflow. A hook must never stop or
-slow training: implementations buffer, retry in the background, and swallow (and
-count) their own failures.
+does nothing, and `tracking.mlflow_hooks.MlflowHooks` implements them with MLflow.
+A hook must never stop or slow training: implementations buffer, retry in the
+background, and swallow (and count) their own failures.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from typing import Any
 class Hooks:
     """No-op hooks; subclass and override what you need."""
 
-    def run_started(self, config: dict[str, Any], run_url: str, *, resumed: bool) -> None:
+    def run_started(self, config: dict[str, Any], run_url: str, *, resumed: bool,
+                    n_params: int | None = None) -> None:
         """The train job created (or continued) the run. ``config`` is the resolved
-        RunConfig as a dict."""
+        RunConfig as a dict; ``n_params`` the model's parameter count (from the run's
+        manifest: the sizes of its fragments), which the comparison of runs needs."""
 
     def worker_started(self, worker: str, info: dict[str, Any]) -> None:
         """A worker job started (``info``: host, island size, resumed_from...)."""

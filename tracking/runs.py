@@ -1,0 +1,235 @@
+"""Which MLflow runs a training run's jobs log to, found through the run's store.
+
+One parent run per training run (tags for the store URL, regions, code version,
+mode and strategy), a child run per worker (named after it) and one for the
+aggregator. Every job of a run is its own process, possibly in another region, so
+the parent is found through the run's store: the train job creates the parent and
+writes ``tracking.json`` there (create-only, like every object of the protocol)::
+
+    {"version": 1,
+     "tracking_uri": "http://mlflow.internal:5000",   # credentials stripped
+     "experiment_id": "3", "experiment_name": "diloco-flows",
+     "parent_run_id": "4c1d...", "run_name": "run-42", "created": "2026-...",
+     "strategy": "diloco", "mode": "streaming", "workers": ["region-a", "region-b"],
+     "schedule": {"sync_every": 30, "fragments": 2, "overlap": 1,
+                  "total_steps": 300, "tokens_per_step": 2048}}
+
+Worker and aggregator jobs read it and create their child run (tag
+``mlflow.parentRunId``), or continue the one a previous attempt of the same job
+created (found by the ``diloco.child`` tag). They use ``MLFLOW_TRACKING_URI`` when
+set in their own environment (a region may reach the server by another address,
+and credentials come from the environment), else the URI in ``tracking.json``.
+
+Every method here talks to MLflow or the store: only the hooks' own thread calls
+them, never a hook call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+from tracking.settings import (
+    artifact_location,
+    clip,
+    code_version,
+    default_tracking_uri,
+    schedule_of,
+    strip_credentials,
+)
+
+log = logging.getLogger(__name__)
+
+TRACKING_KEY = "tracking.json"
+
+# MLflow error codes that a retry cannot fix.
+PERMANENT_CODES = frozenset({
+    "INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS",
+    "INVALID_STATE", "BAD_REQUEST", "PERMISSION_DENIED", "UNAUTHENTICATED",
+    "ENDPOINT_NOT_FOUND",
+})
+
+
+class NotReady(Exception):
+    """Something another job writes (tracking.json) is not there yet."""
+
+
+class Permanent(Exception):
+    """A failure a retry cannot fix."""
+
+
+def is_permanent(exc: BaseException) -> bool:
+    if isinstance(exc, Permanent):
+        return True
+    code = getattr(exc, "error_code", None)
+    return isinstance(code, str) and code in PERMANENT_CODES
+
+
+class RunLinks:
+    """The MLflow client, the run's store and ``tracking.json`` of one job.
+
+    ``uri``: the tracking URI when the job knows it (the train job always does);
+    None to follow ``tracking.json``.
+    """
+
+    def __init__(self, run_url: str, *, uri: str | None, experiment: str,
+                 storage_options: dict | None = None) -> None:
+        self.run_url = run_url
+        self.uri = uri
+        self.experiment = experiment
+        self.storage_options = storage_options
+        self.run_name = run_url.rstrip("/").rsplit("/", 1)[-1] or "run"
+        self.info: dict[str, Any] | None = None
+        self._client: Any = None
+        self._store: Any = None
+        self._created_parent: Any = None
+
+    @property
+    def schedule(self) -> dict[str, int]:
+        return (self.info or {}).get("schedule") or {}
+
+    def client(self) -> Any:
+        if self._client is None:
+            from mlflow import MlflowClient  # noqa: PLC0415
+
+            if self.uri is None:
+                self.uri = self.tracking_info().get("tracking_uri") or default_tracking_uri()
+            self._client = MlflowClient(tracking_uri=self.uri)
+        return self._client
+
+    def store(self) -> Any:
+        if self._store is None:
+            from storage.objectstore import ObjectStore, RetryPolicy  # noqa: PLC0415
+
+            self._store = ObjectStore(
+                self.run_url, storage_options=self.storage_options, name="tracking",
+                retry=RetryPolicy(attempts=3, base_delay=0.2, max_delay=2.0))
+        return self._store
+
+    def tracking_info(self) -> dict[str, Any]:
+        if self.info is None:
+            from storage.errors import ObjectMissing  # noqa: PLC0415
+
+            try:
+                self.info = json.loads(self.store().get(TRACKING_KEY))
+            except ObjectMissing:
+                raise NotReady(
+                    f"{TRACKING_KEY} is not in {self.store().url} yet (the train job "
+                    "writes it when it creates the MLflow run; is tracking on there?)"
+                ) from None
+        return self.info
+
+    def experiment_id(self) -> str:
+        client = self.client()
+        found = client.get_experiment_by_name(self.experiment)
+        if found is not None:
+            if found.lifecycle_stage == "deleted":
+                client.restore_experiment(found.experiment_id)
+            return found.experiment_id
+        try:
+            return client.create_experiment(self.experiment,
+                                            artifact_location=artifact_location(self.uri))
+        except Exception as exc:
+            if getattr(exc, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
+                raise
+            return client.get_experiment_by_name(self.experiment).experiment_id
+
+    def start_parent(self, config: dict[str, Any], *, start_ms: int | None) -> str:
+        """The train job: continue this run's parent (tracking.json is there) or
+        create it and write tracking.json. Returns the parent's run id."""
+        from storage.errors import ObjectMissing  # noqa: PLC0415
+
+        client = self.client()
+        try:
+            self.info = json.loads(self.store().get(TRACKING_KEY))
+        except ObjectMissing:
+            self.info = None
+        if self.info is not None:  # this run is tracked already: continue its parent
+            parent = self.info["parent_run_id"]
+            client.update_run(parent, status="RUNNING")
+            log.info("MLflow: run %s continues parent run %s", self.run_name, parent)
+            return parent
+        exp = self.experiment_id()
+        workers = [str(w) for w in config.get("workers") or []]
+        train, sync = config.get("train") or {}, config.get("sync") or {}
+        tags = {
+            "diloco.role": "train",
+            "diloco.run_id": self.run_name,
+            "diloco.store": strip_credentials(self.store().url),
+            "diloco.regions": ",".join(workers),
+            "diloco.code_version": code_version(),
+            "diloco.mode": str(sync.get("mode", "")),
+            "diloco.strategy": str(train.get("strategy", "diloco")),
+            "diloco.config_name": str(config.get("name", "")),
+        }
+        if self._created_parent is None:  # a retry must not create a second one
+            self._created_parent = client.create_run(
+                exp, run_name=self.run_name, tags=tags, start_time=start_ms)
+        run_id = self._created_parent.info.run_id
+        info = {
+            "version": 1,
+            "tracking_uri": strip_credentials(self.uri or ""),
+            "experiment_id": exp,
+            "experiment_name": self.experiment,
+            "parent_run_id": run_id,
+            "run_name": self.run_name,
+            "created": datetime.now(UTC).isoformat(),
+            "strategy": tags["diloco.strategy"],
+            "mode": tags["diloco.mode"],
+            "workers": workers,
+            "schedule": schedule_of(config),
+        }
+        if self.store().put_if_absent(TRACKING_KEY, json.dumps(info, indent=1).encode()):
+            self.info = info
+        else:  # another train job won the race: use its parent
+            client.delete_run(run_id)
+            self.info = json.loads(self.store().get(TRACKING_KEY))
+        return self.info["parent_run_id"]
+
+    def child(self, key: str) -> tuple[str, bool]:
+        """Find (after a restart) or create the child run ``key`` ("worker:<name>",
+        "aggregator") under the parent. Returns its id and whether it was found;
+        raises `Permanent` when the parent cannot be used."""
+        info = self.tracking_info()
+        client = self.client()
+        parent = info["parent_run_id"]
+        role, _, name = key.partition(":")
+        try:
+            found = client.search_runs(
+                [info["experiment_id"]],
+                filter_string=(f"tags.`mlflow.parentRunId` = '{parent}' "
+                               f"and tags.`diloco.child` = '{key}'"),
+                max_results=1,
+            )
+            if found:
+                run_id = found[0].info.run_id
+                client.update_run(run_id, status="RUNNING")
+                log.info("MLflow: %s continues child run %s", key, run_id)
+                return run_id, True
+            tags = {
+                "mlflow.parentRunId": parent,
+                "diloco.role": role,
+                "diloco.child": key,
+                "diloco.run_id": info.get("run_name", self.run_name),
+                "diloco.strategy": str(info.get("strategy", "")),
+                "diloco.mode": str(info.get("mode", "")),
+            }
+            if name:
+                tags["diloco.worker"] = name
+            run = client.create_run(info["experiment_id"], run_name=name or role, tags=tags)
+            return run.info.run_id, False
+        except Exception as exc:
+            if not is_permanent(exc):
+                raise
+            raise Permanent(
+                f"parent run {parent} of {self.run_name} not usable at "
+                f"{strip_credentials(self.uri or '?')}: {clip(str(exc), 200)}") from exc
+
+    def end(self, run_id: str, status: str, state: str) -> None:
+        """Tag the job's end state and terminate the run (MLflow first sends what its
+        asynchronous queue holds)."""
+        client = self.client()
+        client.set_tag(run_id, "diloco.state", state)
+        client.set_terminated(run_id, status=status)
