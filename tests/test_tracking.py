@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,7 +92,7 @@ def fake_run(
     pace: float = 0.0,
 ) -> dict[str, Any]:
     """Drive the hooks of a tiny run: train job, two workers, aggregator. Returns
-    the hooks and how long each hook call took. ``between(step)`` runs after each
+    the hooks and what each close() did not log. ``between(step)`` runs after each
     logging step (tests stop a server there)."""
     cfg = tiny_config(strategy, steps)
     tokens_per_step = 4 * 32
@@ -100,15 +101,8 @@ def fake_run(
     workers = {w: hooks_for(run_url, role=f"worker:{w}", storage_options=storage_options)
                for w in WORKERS}
     agg = hooks_for(run_url, role="aggregator", storage_options=storage_options)
-    calls: list[float] = []
-
-    def call(fn, *args, **kwargs) -> None:
-        t = time.perf_counter()
-        fn(*args, **kwargs)
-        calls.append(time.perf_counter() - t)
-
     for w, hooks in workers.items():
-        call(hooks.worker_started, w, {"host": "test", "island": 1, "resumed_from": None})
+        hooks.worker_started(w, {"host": "test", "island": 1, "resumed_from": None})
     for step in range(10, steps + 1, 10):
         for w, hooks in workers.items():
             m = {"worker": w, "step": step, "loss": worker_loss(w, step, strategy),
@@ -119,11 +113,11 @@ def fake_run(
                          wait_s=0.01 * step, staleness=0.0, late_means=0)
             else:  # the baseline's store traffic: the initial parameters only
                 m.update(bytes_up=0, bytes_down=7)
-            call(hooks.worker_metrics, w, m)
+            hooks.worker_metrics(w, m)
             if step % 20 == 0:
-                call(hooks.worker_metrics, w, {"worker": w, "step": step,
-                                               "eval_loss": worker_eval(w, step, strategy),
-                                               "final": step == steps})
+                hooks.worker_metrics(w, {"worker": w, "step": step,
+                                         "eval_loss": worker_eval(w, step, strategy),
+                                         "final": step == steps})
         if strategy == "diloco":
             k = step // 10
             p, r = (k - 1) % 2, (k - 1) // 2
@@ -133,29 +127,28 @@ def fake_run(
             if p == 1 and step != steps:
                 report["eval_loss"] = eval_loss(step, strategy)
                 report["perplexity"] = 2.718281828 ** report["eval_loss"]
-            call(agg.aggregator_round, report)
+            agg.aggregator_round(report)
             if step == steps:  # the aggregator's final evaluation, after the rounds
                 loss = eval_loss(step, strategy)
-                call(agg.aggregator_eval, {"eval_loss": loss, "perplexity": 2.718281828 ** loss,
-                                           "rounds": k, "final": True})
+                agg.aggregator_eval({"eval_loss": loss, "perplexity": 2.718281828 ** loss,
+                                     "rounds": k, "final": True})
         if between is not None:
             between(step)
         time.sleep(pace)  # spreads the timestamps for the wall-time plots
     for w, hooks in workers.items():
-        call(hooks.worker_finished, w, {"worker": w, "steps": steps,
-                                        "tokens": steps * tokens_per_step, "seconds": 6.0,
-                                        "final_loss": worker_loss(w, steps, strategy),
-                                        "eval_loss": worker_eval(w, steps, strategy),
-                                        "wait_seconds": 0.6, "bytes_up": 6000,
-                                        "bytes_down": 3000, "resumed_from": None},
-             "finished")
+        hooks.worker_finished(w, {"worker": w, "steps": steps,
+                                  "tokens": steps * tokens_per_step, "seconds": 6.0,
+                                  "final_loss": worker_loss(w, steps, strategy),
+                                  "eval_loss": worker_eval(w, steps, strategy),
+                                  "wait_seconds": 0.6, "bytes_up": 6000,
+                                  "bytes_down": 3000, "resumed_from": None},
+                              "finished")
     closes = {}
     for name, hooks in [*workers.items(), ("aggregator", agg)]:
         closes[name] = hooks.close(timeout=close_timeout)
-    call(train.run_finished, {"state": "finished", "run": run_url, "steps": steps})
+    train.run_finished({"state": "finished", "run": run_url, "steps": steps})
     closes["train"] = train.close(timeout=close_timeout)
-    return {"train": train, "workers": workers, "aggregator": agg, "calls": calls,
-            "closes": closes}
+    return {"train": train, "workers": workers, "aggregator": agg, "closes": closes}
 
 
 @pytest.fixture(scope="session")
@@ -296,15 +289,11 @@ def test_default_uri_is_sqlite_in_cwd(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
 def test_tiny_run_on_sqlite(sqlite_tracking: str, tmp_path: Path) -> None:
     """(1) A tiny run: parent and children with their metric histories, params,
-    tags and artifacts; every hook call returns at once."""
+    tags and artifacts (that hook calls do not wait for MLflow is the next test's)."""
     run_url = (tmp_path / "store" / "run-sqlite").as_uri()
-    t0 = time.perf_counter()
     run = fake_run(run_url, pace=0.05)
     assert all(c == {} for c in run["closes"].values()), run["closes"]
     check_tiny_run(MlflowClient(sqlite_tracking), run_url, ObjectStore(run_url))
-    calls = sorted(run["calls"])
-    assert calls[len(calls) // 2] < 0.001, calls[-5:]
-    assert time.perf_counter() - t0 < 60
 
 
 def test_restarted_jobs_continue_their_runs(sqlite_tracking: str, tmp_path: Path) -> None:
@@ -357,26 +346,45 @@ def test_restarted_jobs_continue_their_runs(sqlite_tracking: str, tmp_path: Path
     assert [r.info.run_id for r in runs] == [parent]
 
 
-def test_hook_calls_never_wait_for_mlflow(sqlite_tracking: str, tmp_path: Path) -> None:
-    """Thousands of metrics while the background thread logs: each call is short,
-    and nothing is lost."""
+def test_hook_calls_never_wait_for_mlflow(sqlite_tracking: str, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's metrics while MLflow holds every metric request (a server that
+    stopped answering): thousands of hook calls still return, and once MLflow
+    answers again nothing was lost."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    answer = threading.Event()  # MLflow answers metric requests once this is set
+    holding = threading.Event()  # a metric request is waiting for an answer
+    real_log_batch = SqlAlchemyStore.log_batch
+
+    def held_log_batch(self, run_id, metrics, params, tags):  # noqa: ANN001, ANN202
+        if metrics:
+            holding.set()
+            answer.wait()
+        return real_log_batch(self, run_id, metrics, params, tags)
+
+    monkeypatch.setattr(SqlAlchemyStore, "log_batch", held_log_batch)
     run_url = (tmp_path / "store" / "run-many").as_uri()
     train = MlflowHooks(run_url, role="train")
     train.run_started(tiny_config(), run_url, resumed=False)
     worker = MlflowHooks(run_url, role="worker:region-a", flush_every=0.2)
-    durations = []
-    for step in range(1, 3001):
-        t = time.perf_counter()
+
+    def metrics(step: int) -> None:
         worker.worker_metrics("region-a", {"worker": "region-a", "step": step,
                                            "loss": 1.0 / step, "lr": 0.1, "tokens": step})
-        durations.append(time.perf_counter() - t)
-    # 6,000 metrics into SQLite take 20 to 40 s on two busy cores: the bound is for
-    # a hung thread, not a speed target
+
+    metrics(1)
+    # the bound is for a run that never reaches MLflow, not a speed target
+    assert holding.wait(60), "the first metrics never reached MLflow"
+    loop = threading.Thread(target=lambda: [metrics(s) for s in range(2, 3001)], daemon=True)
+    loop.start()
+    loop.join(120)
+    assert not loop.is_alive(), "a hook call waited for MLflow"
+    assert not answer.is_set()
+    answer.set()
+    # 12,000 metrics into SQLite take 20 to 40 s on two busy cores
     assert worker.close(timeout=120) == {}
     assert train.close(timeout=120) == {}
-    durations.sort()
-    assert durations[len(durations) // 2] < 100e-6, durations[len(durations) // 2]
-    assert durations[-10] < 0.01, durations[-10:]
     client = MlflowClient(sqlite_tracking)
     child = client.search_runs(
         [client.get_experiment_by_name("diloco-test").experiment_id],
@@ -395,7 +403,8 @@ def test_buffer_bound_drops_oldest_and_counts(sqlite_tracking: str, tmp_path: Pa
     with caplog.at_level(logging.WARNING, logger="tracking.mlflow_hooks"):
         t = time.perf_counter()
         lost = hooks.close(timeout=2)
-    assert time.perf_counter() - t < 3
+    # bounded by its timeout, not the 30 s default nor forever (loose: a busy machine)
+    assert time.perf_counter() - t < 10
     assert lost == {"metrics": 250}  # 150 dropped from the buffer, 100 never sent
     assert "not logged: 250 metrics" in caplog.text
     assert "tracking.json" in caplog.text
@@ -452,7 +461,7 @@ def test_tiny_run_on_tracking_server(server_tracking: MlflowServer, s3_endpoint:
 def test_server_stopped_mid_run_does_not_stop_training(
     server_tracking: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """(3) The server dies after step 30: hook calls keep returning at once, the
+    """(3) The server dies after step 30: hook calls keep returning, the
     loop finishes, and each close() is bounded and counts what was not logged."""
     run_url = (tmp_path / "store" / "run-outage").as_uri()
     client = MlflowClient(server_tracking.url)
@@ -483,8 +492,6 @@ def test_server_stopped_mid_run_does_not_stop_training(
     after = time.perf_counter() - stopped_at[0]
     # 4 closes of at most 5 s each, plus the loop itself
     assert after < 4 * 5 + 5, after
-    calls = sorted(run["calls"])
-    assert calls[-1] < 0.05, calls[-5:]
     closes = run["closes"]
     # At least what came after the server died (more if the last flush before it
     # had not happened yet). A worker: steps 40, 50, 60 with 9 metrics each, eval
