@@ -28,6 +28,7 @@ from diloco.outer import OuterState
 from diloco.run import load_initial
 from diloco.schedule import Schedule
 from storage.exchange import Exchange
+from storage.spec import RunManifest
 
 __all__ = ["MergeAbandoned", "SyncStats", "Synchronizer"]
 
@@ -46,9 +47,35 @@ class SyncStats:
     staleness: list[int] = field(default_factory=list)
     late_means: int = 0
 
+    _SAVED = ("wait_seconds", "rounds_sent", "rounds_merged", "late_means")
+
     def record_wait(self, seconds: float) -> None:
         self.wait_seconds += seconds
         self.waits.append(seconds)
+
+    def state_dict(self) -> dict:
+        """The counters a resumed worker continues from (per-wait lists restart)."""
+        return {name: getattr(self, name) for name in self._SAVED}
+
+    def load(self, state: dict) -> None:
+        for name in self._SAVED:  # older checkpoints may lack some: they count from 0
+            setattr(self, name, type(getattr(self, name))(state.get(name, 0)))
+
+
+def _check_member(manifest: RunManifest, worker: str, plan: FragmentPlan,
+                  config: SyncConfig) -> None:
+    """Refuse a worker the run does not list, or a plan that does not cut the model
+    the way the run's manifest and sync config say, before anything is read."""
+    if worker not in manifest.workers:
+        raise ValueError(
+            f"worker {worker!r} is not in run {manifest.run_id!r} (workers: "
+            f"{', '.join(manifest.workers)})"
+        )
+    plan.check_against(manifest.model_dump()["fragments"])
+    if len(plan) != config.fragments:
+        raise ValueError(
+            f"the plan has {len(plan)} fragments but fragments (P) = {config.fragments}"
+        )
 
 
 class Synchronizer:
@@ -71,22 +98,12 @@ class Synchronizer:
         workers are running) and then raises `MergeAbandoned`. Without it a worker
         whose peers have stopped would wait for a mean that never comes."""
         manifest = exchange.manifest
-        if worker not in manifest.workers:
-            raise ValueError(
-                f"worker {worker!r} is not in run {manifest.run_id!r} (workers: "
-                f"{', '.join(manifest.workers)})"
-            )
-        plan.check_against(manifest.model_dump()["fragments"])
         self.model, self.exchange, self.worker, self.plan = model, exchange, worker, plan
         self.config = config or SyncConfig(**manifest.sync)
+        _check_member(manifest, worker, plan, self.config)
         self.schedule = Schedule(
             self.config.sync_every, self.config.fragments, self.config.send_offset
         )
-        if len(plan) != self.config.fragments:
-            raise ValueError(
-                f"the plan has {len(plan)} fragments but fragments (P) = "
-                f"{self.config.fragments}"
-            )
         self.total_steps = manifest.total_steps
         self.rounds = list(manifest.rounds)
         self.own_weight = 1.0 / len(manifest.workers)
@@ -267,10 +284,7 @@ class Synchronizer:
             "next_round": list(self._next_round),
             "outer": [o.state_dict() for o in self.outer],
             **self.inflight.state_dict(),  # "residual" and "sent"
-            "wait_seconds": self.stats.wait_seconds,
-            "rounds_sent": self.stats.rounds_sent,
-            "rounds_merged": self.stats.rounds_merged,
-            "late_means": self.stats.late_means,
+            **self.stats.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -284,10 +298,7 @@ class Synchronizer:
         for outer, saved in zip(self.outer, state["outer"], strict=True):
             outer.load(saved["params"], saved["momentum"])
         self.inflight.load_state_dict(state)
-        self.stats.wait_seconds = float(state.get("wait_seconds", 0.0))
-        self.stats.rounds_sent = int(state.get("rounds_sent", 0))
-        self.stats.rounds_merged = int(state.get("rounds_merged", 0))
-        self.stats.late_means = int(state.get("late_means", 0))
+        self.stats.load(state)
 
     # -- introspection -------------------------------------------------------------
     def outer_params(self, p: int) -> torch.Tensor:
