@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import numpy as np
 import torch
@@ -30,20 +31,19 @@ from diloco.outer import OuterState
 from diloco.run import latest_global, load_initial
 from storage import layout
 from storage.checkpoints import read_checkpoint, write_checkpoint
-from storage.errors import (
-    CorruptObject,
-    NonFiniteValues,
-    ObjectMissing,
-    PartialObject,
-    ShapeMismatch,
-)
+from storage.errors import BAD_CONTRIBUTION, ObjectMissing, OutsizedContribution
 from storage.exchange import Exchange
+from storage.retry import outlast
 
 log = logging.getLogger(__name__)
 
+
+def _utc_now() -> str:
+    return datetime.now(UTC).isoformat()
+
 # A bad contribution is one of these; anything else (the store unreachable) is not
 # the worker's fault and propagates.
-REJECTABLE = (CorruptObject, PartialObject, ShapeMismatch, NonFiniteValues, ObjectMissing)
+REJECTABLE = BAD_CONTRIBUTION
 
 
 @dataclass
@@ -57,6 +57,38 @@ class RoundReport:
     adopted: bool
     seconds: float
     grad_norm: float
+
+
+@dataclass
+class Stall:
+    """A round that has waited ``waited_s`` seconds with no round of the run applied
+    since ``since`` (UTC, ISO 8601): who it still waits for."""
+
+    fragment: int
+    round: int
+    missing: list[str]
+    since: str
+    waited_s: float
+
+    def describe(self) -> str:
+        who = ", ".join(self.missing) if self.missing else "no one (it is being reduced)"
+        return (f"fragment {self.fragment} round {self.round} waits for {who} "
+                f"since {self.since[11:19]} UTC ({self.waited_s:.0f} s)")
+
+
+@dataclass
+class Inbox:
+    """The contributions of one (fragment, round) read so far, each verified once:
+    the usable ones with their tokens and norm, and the rejected ones with why."""
+
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    norms: dict[str, float] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def arrived(self) -> set[str]:
+        return set(self.values) | set(self.rejected)
 
 
 @dataclass
@@ -76,6 +108,7 @@ class Aggregator:
         config: SyncConfig | None = None,
         fault: Callable[[str, int, int], None] | None = None,
         on_round: Callable[[RoundReport], None] | None = None,
+        on_stall: Callable[[list[Stall]], None] | None = None,
         keep_checkpoints: int = 0,
     ):
         """``keep_checkpoints``: round checkpoints of the canonical state kept per
@@ -92,11 +125,23 @@ class Aggregator:
         self.config = config or SyncConfig(**self.manifest.sync)
         self.fault = fault or (lambda stage, p, r: None)
         self.on_round = on_round
+        #: told the stalled rounds when no round has been applied for
+        #: ``stall_after_s`` (again every ``stall_after_s``), and [] when one is again
+        self.on_stall = on_stall
         self.stats = AggregatorStats()
         self.workers = list(self.manifest.workers)
         self.quorum = max(1, math.ceil(self.config.quorum * len(self.workers)))
         self.feedback = self.config.feedback(self.manifest.codec_down.name)
         self._first_seen: dict[tuple[int, int], float] = {}
+        self._inbox: dict[tuple[int, int], Inbox] = {}
+        #: workers a round was reduced without after its deadline; later rounds wait
+        #: for them only ``absent_deadline_s``, until one of theirs arrives in time
+        self.absent: set[str] = set()
+        self._norms: dict[tuple[int, int], list[float]] = {}
+        self._progress_at = time.monotonic()
+        self._progress_wall = _utc_now()
+        self._stall_reported = 0.0
+        self.stalled: list[Stall] = []
         self._resume()
 
     # -- state ---------------------------------------------------------------------
@@ -154,9 +199,11 @@ class Aggregator:
         while not self.done:
             if stop.is_set():
                 break
-            if self.poll_once():
+            if outlast(self.poll_once, patience_s=self.config.outage_s, log=log,
+                       what=f"aggregator {self.name}", stop=stop.is_set):
                 delay = base
                 continue
+            self._check_stall()
             if timeout is not None and time.monotonic() - start > timeout:
                 raise TimeoutError(
                     f"aggregator {self.name}: rounds still open after {timeout:.0f} s: "
@@ -172,61 +219,127 @@ class Aggregator:
         for p in range(len(self.outer)):
             while self.next_round[p] < self.manifest.rounds[p] and self._try_round(p):
                 progressed = True
+        if progressed:
+            self._progress_at, self._progress_wall = time.monotonic(), _utc_now()
+            if self.stalled:
+                log.info("aggregator %s: rounds are applied again", self.name)
+                self.stalled = []
+                if self.on_stall is not None:
+                    self.on_stall([])
         return progressed
 
+    def _check_stall(self) -> None:
+        """Say which rounds wait for whom once nothing was applied for a while, so a
+        run never waits silently (again every ``stall_after_s`` while it lasts)."""
+        now = time.monotonic()
+        waited = now - self._progress_at
+        if waited < self.config.stall_after_s or now - self._stall_reported < self.config.stall_after_s:
+            return
+        self._stall_reported = now
+        self.stalled = [
+            Stall(p, r, sorted(set(self.workers) - self._inbox_of(p, r).arrived),
+                  self._progress_wall, waited)
+            for p, r in enumerate(self.next_round) if r < self.manifest.rounds[p]
+        ]
+        log.warning("aggregator %s: stalled: no round applied for %.0f s; %s", self.name,
+                    waited, "; ".join(s.describe() for s in self.stalled))
+        if self.on_stall is not None:
+            self.on_stall(list(self.stalled))
+
     # -- one round -----------------------------------------------------------------
-    def _ready(self, p: int, r: int) -> list[str] | None:
-        """Workers to reduce now, or None to keep waiting."""
-        committed = self.exchange.committed_workers(p, r)
-        present = [w for w in committed if w in self.workers]
-        if not present:
-            return None
-        first = self._first_seen.setdefault((p, r), time.monotonic())
-        if len(present) == len(self.workers):
-            return present
-        if time.monotonic() - first >= self.config.deadline_s and len(present) >= self.quorum:
-            log.warning(
-                "aggregator %s: fragment %d round %d: deadline passed, reducing %d of %d "
-                "workers (missing %s)", self.name, p, r, len(present), len(self.workers),
-                sorted(set(self.workers) - set(present)),
-            )
-            return present
-        return None
+    def _inbox_of(self, p: int, r: int) -> Inbox:
+        return self._inbox.setdefault((p, r), Inbox())
 
-    def _reduce(
-        self, p: int, r: int, workers: list[str], weights: dict[str, float] | None = None
-    ) -> tuple[torch.Tensor, dict[str, float], dict[str, str]]:
-        """Token-weighted float32 mean of the given contributions.
-
-        With ``weights`` (replaying a committed mean) those exact weights are used.
-        """
-        values: dict[str, np.ndarray] = {}
-        tokens: dict[str, int] = {}
-        rejected: dict[str, str] = {}
-        for w in workers:
-            if weights is not None and w not in weights:
+    def _collect(self, p: int, r: int, committed: list[str]) -> Inbox:
+        """Read and verify the contributions of (p, r) committed since the last poll:
+        a bad one is rejected (and the reason recorded) as soon as it is seen."""
+        inbox = self._inbox_of(p, r)
+        for w in committed:
+            if w not in self.workers or w in inbox.arrived:
                 continue
             try:
                 value, commit = self.exchange.fetch_delta(p, r, w)
+                norm = float(np.linalg.norm(value.astype(np.float64)))
+                self._guard(p, r, w, norm)
             except REJECTABLE as exc:
-                if weights is not None:
-                    raise  # a contribution the committed mean used must be readable
-                rejected[w] = f"{type(exc).__name__}: {exc}"
+                inbox.rejected[w] = f"{type(exc).__name__}: {exc}"
                 log.warning("aggregator %s: rejected %s", self.name, exc)
-                self.exchange.record_rejection(p, r, w, rejected[w])
+                self.exchange.record_rejection(p, r, w, inbox.rejected[w])
                 continue
-            values[w] = value
-            tokens[w] = int(commit.get("tokens", 0))
-        if weights is None:
-            total = sum(tokens.values())
-            weights = {
-                w: (tokens[w] / total if total > 0 else 1.0 / len(values)) for w in sorted(values)
-            }
+            inbox.values[w] = value
+            inbox.tokens[w] = int(commit.get("tokens", 0))
+            inbox.norms[w] = norm
+        return inbox
+
+    def _guard(self, p: int, r: int, worker: str, norm: float) -> None:
+        """The norm guard: a contribution far above the recent accepted ones of this
+        fragment is rejected, so one worker cannot ruin the model with a huge (but
+        finite) value. Off for the first ``norm_guard_warmup`` rounds, which have no
+        history to compare with; the history is read from the committed means, so a
+        restarted aggregator decides the same."""
+        cfg = self.config
+        if not cfg.norm_guard or r < cfg.norm_guard_warmup:
+            return
+        history = [n for k in range(max(0, r - cfg.norm_guard_window), r)
+                   for n in self._norms_of(p, k)]
+        if not history:
+            return
+        limit = cfg.norm_guard * float(np.median(history))
+        if not norm <= limit:
+            raise OutsizedContribution(
+                f"delta of worker {worker} for fragment {p} round {r}: norm {norm:.4g} is "
+                f"above the norm guard {limit:.4g} ({cfg.norm_guard:g} x the median of the "
+                f"accepted norms of the last {cfg.norm_guard_window} rounds)"
+            )
+
+    def _norms_of(self, p: int, k: int) -> list[float]:
+        if (p, k) not in self._norms:
+            commit = self.exchange.mean_commit(p, k) or {}
+            self._norms[(p, k)] = [float(v) for v in (commit.get("norms") or {}).values()]
+        return self._norms[(p, k)]
+
+    def _ready(self, p: int, r: int) -> Inbox | None:
+        """The round's inbox when it is to be reduced now, or None to keep waiting.
+
+        Every worker in (usable or rejected): now. Otherwise, once the deadline has
+        passed since the first arrival, and at least ``quorum`` workers are in; the
+        deadline of a round that misses only absent workers is ``absent_deadline_s``."""
+        committed = self.exchange.committed_workers(p, r)
+        if not committed:
+            return None
+        inbox = self._collect(p, r, committed)
+        first = self._first_seen.setdefault((p, r), time.monotonic())
+        missing = set(self.workers) - inbox.arrived
+        if not missing:
+            self.absent -= inbox.arrived
+            return inbox
+        deadline = self.config.deadline_s
+        if missing <= self.absent:
+            deadline = min(deadline, self.config.absent_deadline_s)
+        if time.monotonic() - first < deadline or len(inbox.arrived) < self.quorum:
+            return None
+        log.warning(
+            "aggregator %s: fragment %d round %d: deadline passed, reducing %d of %d "
+            "workers (missing %s)", self.name, p, r, len(inbox.arrived), len(self.workers),
+            sorted(missing),
+        )
+        self.absent = (self.absent - inbox.arrived) | missing
+        return inbox
+
+    def _mean(self, p: int, values: dict[str, np.ndarray],
+              weights: dict[str, float]) -> torch.Tensor:
+        """The weighted float32 mean of ``values`` (zeros when there are none)."""
         acc = torch.zeros(self.manifest.numel(p), dtype=torch.float32)
         for w in sorted(weights):
             # two roundings, pinned: (weight * value) in float32, then the sum
             acc += torch.from_numpy(values[w]) * np.float32(weights[w])
-        return acc, weights, rejected
+        return acc
+
+    @staticmethod
+    def _weights(tokens: dict[str, int]) -> dict[str, float]:
+        """Token weights (uniform when no tokens were counted)."""
+        total = sum(tokens.values())
+        return {w: (tokens[w] / total if total > 0 else 1.0 / len(tokens)) for w in sorted(tokens)}
 
     def _try_round(self, p: int) -> bool:
         r = self.next_round[p]
@@ -234,16 +347,20 @@ class Aggregator:
         commit = self.exchange.mean_commit(p, r)
         adopted = commit is not None
         rejected: dict[str, str] = {}
+        x = mean = None
         if commit is None:
-            workers = self._ready(p, r)
-            if workers is None:
+            inbox = self._ready(p, r)
+            if inbox is None:
                 return False
-            acc, weights, rejected = self._reduce(p, r, workers)
+            rejected = dict(inbox.rejected)
             self.stats.rejected += len(rejected)
-            x = self._with_residual(p, acc)
+            weights = self._weights(inbox.tokens)
+            acc = self._mean(p, inbox.values, weights)
+            x = self._with_residual(p, acc) if weights else acc
             published = self.exchange.publish_mean(
                 p, r, self.name, x.numpy(), weights=weights,
-                extra={"rejected": rejected, "participants": sorted(weights)},
+                extra={"rejected": rejected, "participants": sorted(weights),
+                       "norms": {w: inbox.norms[w] for w in sorted(weights)}},
             )
             self.fault("published", p, r)
             if published.created:
@@ -253,14 +370,21 @@ class Aggregator:
         if adopted:
             mean, x = self._replay(p, r, commit)
             weights = commit["weights"]
-        if self.feedback:
-            self.residual[p] = x - mean
+        if weights:
+            if self.feedback:
+                self.residual[p] = x - mean
+            self.outer[p].step(mean)
+        else:  # every contribution rejected: the round is recorded, never a step
+            log.warning("aggregator %s: fragment %d round %d: no usable contribution; "
+                        "the outer state is not stepped", self.name, p, r)
         grad_norm = float(mean.norm())
-        self.outer[p].step(mean)
         self.fault("stepped", p, r)
         self._checkpoint(p, r, weights)
         self.fault("checkpointed", p, r)
         self.next_round[p] = r + 1
+        self._inbox.pop((p, r), None)
+        self._norms[(p, r)] = [float(v) for v in (commit or {}).get("norms", {}).values()] \
+            if adopted else [inbox.norms[w] for w in sorted(weights)]
         report = RoundReport(p, r, dict(weights), rejected, adopted,
                              time.perf_counter() - start, grad_norm)
         self.stats.rounds.append(report)
@@ -277,10 +401,13 @@ class Aggregator:
         if got is None:  # pragma: no cover - commit was read a moment ago
             raise ObjectMissing(f"mean of fragment {p} round {r} vanished")
         mean = torch.from_numpy(np.asarray(got[0]))
-        if not self.feedback:
+        weights = commit["weights"]
+        if not self.feedback or not weights:
             return mean, mean
-        acc, _, _ = self._reduce(p, r, sorted(commit["weights"]), weights=commit["weights"])
-        return mean, self._with_residual(p, acc)
+        values = {}
+        for w in sorted(weights):  # a contribution the committed mean used must be readable
+            values[w] = self.exchange.fetch_delta(p, r, w)[0]
+        return mean, self._with_residual(p, self._mean(p, values, weights))
 
     def _with_residual(self, p: int, acc: torch.Tensor) -> torch.Tensor:
         """The value to publish: the mean plus the error-feedback residual (if on)."""

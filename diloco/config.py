@@ -67,10 +67,33 @@ class SyncConfig(BaseModel):
         default=None, description="default: on for 4-bit codecs and below"
     )
     quorum: float = Field(
-        default=1.0, description="share of active workers a round needs after the deadline"
+        default=0.5,
+        description="share of the workers a round needs after the deadline (at least one)",
     )
     deadline_s: float = Field(
         default=600.0, description="seconds the aggregator waits for every worker"
+    )
+    absent_deadline_s: float = Field(
+        default=30.0,
+        description="seconds the aggregator waits for a worker that missed an earlier deadline",
+    )
+    stall_after_s: float = Field(
+        default=60.0, description="seconds without an applied round before a stall is reported"
+    )
+    outage_s: float = Field(
+        default=900.0,
+        description="seconds a party rides out a store that keeps failing before it gives up",
+    )
+    norm_guard: float = Field(
+        default=10.0,
+        description="reject a contribution whose norm exceeds this multiple of the median "
+        "of recent accepted ones (0: off)",
+    )
+    norm_guard_warmup: int = Field(
+        default=2, description="rounds of a fragment before the norm guard applies"
+    )
+    norm_guard_window: int = Field(
+        default=8, description="recent rounds whose accepted norms the guard compares with"
     )
     poll_interval_s: float = Field(default=0.05, description="first poll delay for a mean")
     poll_max_s: float = Field(
@@ -112,8 +135,18 @@ class SyncConfig(BaseModel):
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if not 0.0 < self.quorum <= 1.0:
             raise ValueError(f"quorum must be in (0, 1], got {self.quorum}")
-        if not self.deadline_s >= 0:  # also rejects NaN
-            raise ValueError(f"deadline_s must be >= 0, got {self.deadline_s}")
+        for name in ("deadline_s", "absent_deadline_s", "norm_guard"):
+            if not getattr(self, name) >= 0:  # also rejects NaN
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("stall_after_s", "outage_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if 0 < self.norm_guard < 1.0:  # below 1 it would reject the median itself
+            raise ValueError(f"norm_guard must be 0 (off) or >= 1, got {self.norm_guard}")
+        if self.norm_guard_warmup < 0:
+            raise ValueError(f"norm_guard_warmup must be >= 0, got {self.norm_guard_warmup}")
+        if self.norm_guard_window < 1:
+            raise ValueError(f"norm_guard_window must be >= 1, got {self.norm_guard_window}")
         if not 0 < self.poll_interval_s <= self.poll_max_s:
             raise ValueError(
                 f"poll_interval_s must be in (0, poll_max_s = {self.poll_max_s}], "

@@ -15,6 +15,7 @@ checkpoint records and a resume picks up again.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +28,11 @@ import torch
 
 from diloco import rules
 from diloco.config import SyncConfig
+from storage.errors import BAD_CONTRIBUTION
 from storage.exchange import Exchange, Prepared, Published
+from storage.retry import outlast
+
+log = logging.getLogger(__name__)
 
 
 class MergeAbandoned(RuntimeError):
@@ -127,14 +132,20 @@ class InFlight:
 
     def _upload(self, encoded: Future, tokens: int, final: bool, step: int) -> Published:
         prepared: Prepared = encoded.result()
-        return self.exchange.publish_prepared(
-            prepared, tokens=tokens, extra={"final": final, "step": step}
+        return outlast(  # a retried publish is safe: fresh payload, create-only commit
+            lambda: self.exchange.publish_prepared(
+                prepared, tokens=tokens, extra={"final": final, "step": step}),
+            patience_s=self.config.outage_s, log=log, stop=self._closed.is_set,
+            what=f"worker {self.worker}: send of fragment {prepared.fragment} round "
+                 f"{prepared.round}",
         )
 
     def _poll_mean(self, p: int, r: int) -> tuple[np.ndarray, dict]:
         delay = self.config.poll_interval_s
+        what = f"worker {self.worker}: wait for the mean of fragment {p} round {r}"
         while not self._closed.is_set():
-            got = self.exchange.fetch_mean(p, r)
+            got = outlast(lambda: self.exchange.fetch_mean(p, r), what=what, log=log,
+                          patience_s=self.config.outage_s, stop=self._closed.is_set)
             if got is not None:
                 return got
             self._closed.wait(delay)
@@ -248,7 +259,18 @@ class InFlight:
         self.residual[:] = [None if r is None else r.clone() for r in state["residual"]]
         for entry in state["sent"]:
             p, r = int(entry["fragment"]), int(entry["round"])
-            value, commit = self.exchange.fetch_delta(p, r, self.worker)
+            try:
+                value, commit = self.exchange.fetch_delta(p, r, self.worker)
+            except BAD_CONTRIBUTION as exc:
+                # The aggregator rejects it (the mean counts it with weight 0); the
+                # value only served to take the own part back out of an eager
+                # correction, so zero is the one left. Failing here would fail for
+                # ever: a commit is never replaced.
+                log.warning("worker %s: its own contribution to fragment %d round %d "
+                            "is unusable (%s: %s); going on without it", self.worker, p, r,
+                            type(exc).__name__, exc)
+                value = np.zeros(self.exchange.manifest.numel(p), dtype=np.float32)
+                commit = {"unusable": f"{type(exc).__name__}: {exc}"}
             done: Future = Future()
             done.set_result(Published(value, commit, False))
             mean = self._poller.submit(self._poll_mean, p, r)

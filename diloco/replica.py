@@ -208,7 +208,10 @@ class Synchronizer:
         the lerp into the live weights (a final round lands on the outer value)."""
         sent = self.inflight.get(p, r)
         if not self.eager:
-            grad = torch.from_numpy(np.asarray(self.inflight.wait_mean(sent)[0]))
+            mean, commit = self.inflight.wait_mean(sent)
+            # a round whose every contribution was rejected is not a step (as on the
+            # aggregator): the outer state stays, the live weights still merge into it
+            grad = torch.from_numpy(np.asarray(mean)) if commit.get("weights") else None
             sent.own_applied = sent.correction_applied = True
         elif self.config.eager_rule == "pure" and not final:
             grad = self._pure_eager(sent)

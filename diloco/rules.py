@@ -56,16 +56,18 @@ def residual_of(sent: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
 
 # -- merging (section 3) ---------------------------------------------------------------
 def merge(
-    outer: OuterState, grad: torch.Tensor, alpha: float, theta_m: torch.Tensor | None = None
+    outer: OuterState, grad: torch.Tensor | None, alpha: float, theta_m: torch.Tensor | None = None
 ) -> torch.Tensor:
     """One outer step on ``grad``, then the fragment's new live value
     ``torch.lerp(theta_new, theta_m, alpha)`` (the pinned form).
 
     With ``alpha = 0`` the live value is ``theta_new`` itself (no lerp, so no
     ``0 * (theta_m - theta_new)`` term can turn an infinite ``theta_m`` into NaN),
-    and ``theta_m`` may be omitted. ``outer`` is stepped in place; the result with
+    and ``theta_m`` may be omitted. ``grad = None`` (a round in which every
+    contribution was rejected) is no step: the live value merges into the outer
+    parameters as they are. ``outer`` is stepped in place; the result with
     ``alpha = 0`` is its own tensor, to be copied, not modified."""
-    theta_new = outer.step(grad)
+    theta_new = outer.params if grad is None else outer.step(grad)
     if alpha == 0.0:
         return theta_new
     if theta_m is None:

@@ -41,6 +41,25 @@ class NonFiniteValues(StoreError):
     """A payload decodes to NaN or Inf; it is never applied."""
 
 
+class MisboundRecord(CorruptObject):
+    """A commit record that describes another object than the one at its key: its
+    run, kind, fragment, round or party differ from the key's, or its payload lies
+    outside that round's slot (a record copied from elsewhere: a replay)."""
+
+
+class OutsizedContribution(StoreError):
+    """A contribution whose norm is far above the recent accepted ones (the norm
+    guard): one worker must not be able to ruin the model with a huge value."""
+
+
+#: What makes one worker's contribution unusable. The aggregator rejects it (and
+#: records why); its sender goes on as if it had not been counted.
+BAD_CONTRIBUTION: tuple[type[StoreError], ...] = (
+    CorruptObject, PartialObject, ShapeMismatch, NonFiniteValues, ObjectMissing,
+    OutsizedContribution,
+)
+
+
 class RunExists(StoreError):
     """Refusing to create a run whose manifest already exists."""
 

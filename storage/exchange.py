@@ -21,7 +21,14 @@ import numpy as np
 
 from storage import layout
 from storage.arrays import encode_array, read_array, write_array
-from storage.errors import CorruptObject, ObjectMissing, ShapeMismatch, StoreError
+from storage.errors import (
+    BAD_CONTRIBUTION,
+    CorruptObject,
+    MisboundRecord,
+    ObjectMissing,
+    ShapeMismatch,
+    StoreError,
+)
 from storage.objectstore import ObjectStore
 from storage.spec import RunManifest
 
@@ -94,6 +101,35 @@ class Exchange:
         except ValueError as exc:
             raise CorruptObject(f"{self.store.full_url(key)} is not valid JSON") from exc
 
+    def _check_binding(self, commit: dict[str, Any], key: str, *, kind: str, fragment: int,
+                       round: int, party: tuple[str, str], slot: str, what: str) -> None:
+        """A record must describe the object at its own key: copied to another round
+        or worker slot (a replay), it would pass every checksum of its payload."""
+        field_, name = party
+        expected = {"kind": kind, "run": self.manifest.run_id, "fragment": fragment,
+                    "round": round, field_: name}
+        for k, v in expected.items():
+            if commit.get(k) != v:
+                raise MisboundRecord(
+                    f"{what}: the record at {self.store.full_url(key)} says {k} = "
+                    f"{commit.get(k)!r}, its key says {v!r}"
+                )
+        payload = commit.get("payload")
+        if not isinstance(payload, str) or not payload.startswith(slot + "/") or (
+            "/" in payload[len(slot) + 1:] or ".." in payload):
+            raise MisboundRecord(
+                f"{what}: the record at {self.store.full_url(key)} names payload "
+                f"{payload!r}, outside its slot {slot}/"
+            )
+        objects = commit.get("objects")
+        if not isinstance(objects, dict) or any(
+                not isinstance(k, str) or k.startswith("/") or ".." in k.split("/")
+                for k in objects):
+            raise MisboundRecord(
+                f"{what}: the record at {self.store.full_url(key)} lists objects outside "
+                f"its payload"
+            )
+
     # -- worker side ----------------------------------------------------------------
     def prepare_delta(self, fragment: int, round: int, worker: str, x: np.ndarray) -> Prepared:
         """Encode an outer gradient in memory, without any I/O.
@@ -124,9 +160,7 @@ class Exchange:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
         commit_key = layout.delta_commit(p, r, worker)
         if self.store.exists(commit_key):
-            log.warning("%s: committed already by an earlier attempt; adopting it", what)
-            value, commit = self.fetch_delta(p, r, worker)
-            return Published(value, commit, False)
+            return self._adopt_own(prepared, what)
         self.store.put_many(prepared.blobs)
         commit = {
             "kind": "delta",
@@ -144,8 +178,25 @@ class Exchange:
         }
         if self.store.put_if_absent(commit_key, json.dumps(commit, sort_keys=True).encode()):
             return Published(prepared.decoded, commit, True)
+        return self._adopt_own(prepared, what)
+
+    def _adopt_own(self, prepared: Prepared, what: str) -> Published:
+        """The slot holds an earlier attempt's commit: go on with what it holds.
+
+        If that commit cannot be used (corrupt, partial, misbound, non-finite), the
+        aggregator rejects it or already has, so the mean counts it with weight 0;
+        the worker goes on with this attempt's value, which it applies and later
+        takes back exactly as it would an unused contribution. It must not fail for
+        ever on an object it can never replace (commits are create-only)."""
+        p, r, worker = prepared.fragment, prepared.round, prepared.worker
         log.warning("%s: committed already by an earlier attempt; adopting it", what)
-        value, commit = self.fetch_delta(p, r, worker)
+        try:
+            value, commit = self.fetch_delta(p, r, worker)
+        except BAD_CONTRIBUTION as exc:
+            log.warning("%s: the earlier commit is unusable and will not be counted "
+                        "(%s: %s); going on", what, type(exc).__name__, exc)
+            return Published(prepared.decoded, {"unusable": f"{type(exc).__name__}: {exc}"},
+                             False)
         return Published(value, commit, False)
 
     def publish_delta(
@@ -176,6 +227,12 @@ class Exchange:
         if commit is None:
             return None
         what = f"mean of fragment {fragment} round {round}"
+        self._check_binding(
+            commit, layout.mean_commit(fragment, round), kind="mean", fragment=fragment,
+            round=round, party=("writer", commit.get("writer")),
+            slot=layout.mean_payload(fragment, round, str(commit.get("writer")), "")[:-1],
+            what=what,
+        )
         value = read_array(
             self.store,
             commit["payload"],
@@ -208,6 +265,11 @@ class Exchange:
         (PartialObject, CorruptObject, ShapeMismatch, NonFiniteValues) if it is bad."""
         what = f"delta of worker {worker} for fragment {fragment} round {round}"
         commit = self.delta_commit(fragment, round, worker)
+        self._check_binding(
+            commit, layout.delta_commit(fragment, round, worker), kind="delta",
+            fragment=fragment, round=round, party=("worker", worker),
+            slot=layout.delta_payload(fragment, round, worker, "")[:-1], what=what,
+        )
         n = self.manifest.numel(fragment)
         if commit.get("numel") != n:
             raise ShapeMismatch(f"{what}: {commit.get('numel')} values, the run expects {n}")

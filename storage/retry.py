@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import errno
 import http.client
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from botocore.exceptions import ClientError, HTTPClientError
 from botocore.parsers import ResponseParserError
@@ -31,6 +34,8 @@ from tenacity import (
 from tenacity.wait import wait_base
 
 from storage.errors import TransientStoreError
+
+_T = TypeVar("_T")
 
 try:  # aiobotocore speaks aiohttp; its payload/connection errors are transient
     from aiohttp import ClientConnectionError, ClientPayloadError
@@ -199,3 +204,36 @@ class RetryPolicy:
             before_sleep=before_sleep,
             retry_error_callback=give_up,
         )
+
+
+def outlast(
+    operation: Callable[[], _T],
+    *,
+    patience_s: float,
+    what: str,
+    log: logging.Logger,
+    stop: Callable[[], bool] = lambda: False,
+    pause_s: float = 5.0,
+) -> _T:
+    """Run ``operation`` until it gets through an outage of up to ``patience_s``.
+
+    One store operation retries for a few seconds (`RetryPolicy`); an outage of
+    the store or the link lasts minutes. The waits that must survive one (a
+    worker's upload and its wait for a mean, the aggregator's loop) call their
+    operation again after each `TransientStoreError`, pausing ``pause_s``, until
+    ``patience_s`` seconds have passed since the first failure (then the last
+    error propagates) or ``stop()`` says to give up. The operation must be safe
+    to repeat: ours are reads and create-only commits.
+    """
+    first_failure: float | None = None
+    while True:
+        try:
+            return operation()
+        except TransientStoreError as exc:
+            now = time.monotonic()
+            first_failure = first_failure or now
+            if now - first_failure >= patience_s or stop():
+                raise
+            log.warning("%s: the store keeps failing (%.0f s of at most %.0f s): %s",
+                        what, now - first_failure, patience_s, exc)
+            time.sleep(pause_s)
