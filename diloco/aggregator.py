@@ -200,7 +200,8 @@ class Aggregator:
             if stop.is_set():
                 break
             if outlast(self.poll_once, patience_s=self.config.outage_s, log=log,
-                       what=f"aggregator {self.name}", stop=stop.is_set):
+                       what=f"aggregator {self.name}", stop=stop.is_set,
+                       pause_s=self.config.poll_max_s):
                 delay = base
                 continue
             self._check_stall()

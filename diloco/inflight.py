@@ -136,7 +136,7 @@ class InFlight:
             lambda: self.exchange.publish_prepared(
                 prepared, tokens=tokens, extra={"final": final, "step": step}),
             patience_s=self.config.outage_s, log=log, stop=self._closed.is_set,
-            what=f"worker {self.worker}: send of fragment {prepared.fragment} round "
+            pause_s=self.config.poll_max_s, what=f"worker {self.worker}: send of fragment {prepared.fragment} round "
                  f"{prepared.round}",
         )
 
@@ -145,7 +145,8 @@ class InFlight:
         what = f"worker {self.worker}: wait for the mean of fragment {p} round {r}"
         while not self._closed.is_set():
             got = outlast(lambda: self.exchange.fetch_mean(p, r), what=what, log=log,
-                          patience_s=self.config.outage_s, stop=self._closed.is_set)
+                          patience_s=self.config.outage_s, stop=self._closed.is_set,
+                          pause_s=self.config.poll_max_s)
             if got is not None:
                 return got
             self._closed.wait(delay)

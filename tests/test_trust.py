@@ -1,0 +1,269 @@
+"""Faults degrade a run, never stall it or ruin it (the aggregator and exchange side).
+
+Each test reproduces one defect a fault campaign found: a commit record copied to
+another round was accepted; one huge value ruined the model; a round whose every
+contribution was rejected still stepped; a worker whose own committed delta was
+unreadable could never continue; a short outage killed a worker; a missing worker
+stalled the run silently and for ever.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from diloco.aggregator import Aggregator, Stall
+from diloco.config import SyncConfig
+from diloco.inflight import InFlight
+from diloco.run import new_run, open_exchange
+from replicas import Blocks
+from storage import layout
+from storage.errors import MisboundRecord, TransientStoreError
+from storage.exchange import Exchange
+from storage.objectstore import ObjectStore
+from storage.retry import outlast
+
+
+def make_run(cfg: SyncConfig, workers=("w0", "w1"), steps: int = 8) -> tuple[str, Exchange]:
+    u = f"memory://trust/{uuid.uuid4().hex}"
+    new_run(ObjectStore(u), Blocks(), cfg, workers=list(workers), total_steps=steps)
+    return u, open_exchange(ObjectStore(u))
+
+
+def vec(ex: Exchange, value: float, p: int = 0) -> np.ndarray:
+    return np.full(ex.manifest.numel(p), value, np.float32)
+
+
+def corrupt_chunk(ex: Exchange, p: int, r: int, worker: str) -> None:
+    """Flip one byte of a committed contribution's first chunk, in the store."""
+    commit = ex.delta_commit(p, r, worker)
+    key = f"{commit['payload']}/c/0"
+    data = bytearray(ex.store.get(key))
+    data[3] ^= 0x40
+    ex.store.put(key, bytes(data))
+
+
+BLOCKING = SyncConfig(mode="diloco", sync_every=2, fragments=1, outer_lr=0.7,
+                      outer_momentum=0.9)
+
+
+def test_a_commit_record_copied_to_another_round_is_rejected():
+    """Copying w0's round-0 record to its round-1 slot (a replay) is caught: the
+    record's own round and payload disagree with its key, so the aggregator rejects
+    it, and w0, finding its slot taken by something it cannot use, goes on."""
+    _, ex = make_run(BLOCKING)
+    for w, v in (("w0", 0.1), ("w1", 0.2)):
+        ex.publish_delta(0, 0, w, vec(ex, v), tokens=10)
+    agg = Aggregator(open_exchange(ex.store))
+    assert agg.poll_once()
+    ex.store.put_if_absent(layout.delta_commit(0, 1, "w0"),
+                           ex.store.get(layout.delta_commit(0, 0, "w0")))
+    with pytest.raises(MisboundRecord, match="round"):
+        ex.fetch_delta(0, 1, "w0")
+    ex.publish_delta(0, 1, "w1", vec(ex, 0.3), tokens=10)
+    assert agg.poll_once()
+    _, commit = ex.fetch_mean(0, 1)
+    assert commit["weights"] == {"w1": 1.0}
+    assert ex.rejections(0, 1)["w0"].startswith("MisboundRecord")
+    # w0 restarts and sends round 1: the slot is taken; it goes on with its own value
+    published = ex.publish_delta(0, 1, "w0", vec(ex, 0.4), tokens=10)
+    assert not published.created
+    assert np.array_equal(published.decoded, vec(ex, 0.4))
+    assert "unusable" in published.commit
+
+
+def test_a_mean_record_copied_to_another_round_is_refused():
+    _, ex = make_run(BLOCKING)
+    for w in ("w0", "w1"):
+        ex.publish_delta(0, 0, w, vec(ex, 0.1), tokens=10)
+    Aggregator(open_exchange(ex.store)).poll_once()
+    ex.store.put_if_absent(layout.mean_commit(0, 1), ex.store.get(layout.mean_commit(0, 0)))
+    with pytest.raises(MisboundRecord):
+        ex.fetch_mean(0, 1)
+
+
+def test_the_norm_guard_rejects_a_huge_contribution():
+    """One value of 1e30 in round 2 (after the guard's two warm-up rounds) is
+    rejected and the mean is the other worker's alone; the canonical model stays
+    finite and moves as much as a normal round moves it."""
+    _, ex = make_run(BLOCKING, steps=6)
+    agg = Aggregator(open_exchange(ex.store))
+    for r in range(3):
+        for w in ("w0", "w1"):
+            x = vec(ex, 0.01 * (r + 1))
+            if (w, r) == ("w1", 2):
+                x[7] = 1e30
+            ex.publish_delta(0, r, w, x, tokens=10)
+        assert agg.poll_once()
+    reason = ex.rejections(0, 2)["w1"]
+    assert reason.startswith("OutsizedContribution") and "norm guard" in reason
+    mean, commit = ex.fetch_mean(0, 2)
+    assert commit["weights"] == {"w0": 1.0}
+    assert np.array_equal(mean, vec(ex, 0.03))
+    assert torch.isfinite(agg.canonical(0)).all()
+    assert float(agg.canonical(0).abs().max()) < 10.0
+    # a restarted aggregator reads the same history from the committed means
+    assert Aggregator(open_exchange(ex.store))._norms_of(0, 1) == pytest.approx(
+        [float(np.linalg.norm(vec(ex, 0.02)))] * 2)
+
+
+def test_the_norm_guard_is_off_when_set_to_zero():
+    _, ex = make_run(BLOCKING.model_copy(update={"norm_guard": 0.0}), steps=6)
+    agg = Aggregator(open_exchange(ex.store))
+    for r in range(3):
+        for w in ("w0", "w1"):
+            ex.publish_delta(0, r, w, vec(ex, 100.0 if (w, r) == ("w1", 2) else 0.01),
+                             tokens=10)
+        assert agg.poll_once()
+    assert ex.rejections(0, 2) == {}
+
+
+def test_a_round_with_every_contribution_rejected_is_not_a_step():
+    """Round 1's two contributions are both corrupt: the mean is recorded with no
+    weights, and the outer parameters and momentum stay as round 0 left them (a
+    zero step would still move them through the momentum)."""
+    _, ex = make_run(BLOCKING, steps=4)
+    agg = Aggregator(open_exchange(ex.store))
+    for w in ("w0", "w1"):
+        ex.publish_delta(0, 0, w, vec(ex, 0.1), tokens=10)
+    assert agg.poll_once()
+    params, momentum = agg.canonical(0).clone(), agg.momentum(0).clone()
+    for w in ("w0", "w1"):
+        ex.publish_delta(0, 1, w, vec(ex, 0.2), tokens=10)
+        corrupt_chunk(ex, 0, 1, w)
+    assert agg.poll_once()
+    _, commit = ex.fetch_mean(0, 1)
+    assert commit["weights"] == {} and sorted(commit["rejected"]) == ["w0", "w1"]
+    assert torch.equal(agg.canonical(0), params)
+    assert torch.equal(agg.momentum(0), momentum)
+    assert agg.done
+
+
+def test_a_restarted_worker_goes_on_when_its_own_sent_round_is_unreadable():
+    """A worker's checkpoint lists a round in flight; its delta was corrupted in the
+    store. Resuming, it reads its own contribution back: it must not fail for ever
+    on an object it can never replace. Its own part is taken as zero (the aggregator
+    counts it with weight 0) and the round's mean is still awaited."""
+    _, ex = make_run(BLOCKING)
+    ex.publish_delta(0, 0, "w0", vec(ex, 0.1), tokens=10)
+    corrupt_chunk(ex, 0, 0, "w0")
+    inflight = InFlight(ex, "w0", 1, BLOCKING, lambda s: None)
+    try:
+        inflight.load_state_dict({"residual": [None], "sent": [
+            {"fragment": 0, "round": 0, "own_weight": 0.5, "own_applied": True,
+             "correction_applied": False}]})
+        sent = inflight.get(0, 0)
+        assert torch.equal(inflight.own(sent), torch.zeros(ex.manifest.numel(0)))
+        ex.publish_delta(0, 0, "w1", vec(ex, 0.2), tokens=10)
+        Aggregator(open_exchange(ex.store)).poll_once()
+        mean, commit = inflight.wait_mean(sent)
+        assert commit["weights"] == {"w1": 1.0}
+    finally:
+        inflight.close()
+
+
+class Outage(Exchange):
+    """A store that fails every request for ``seconds`` after the first one."""
+
+    def __init__(self, ex: Exchange, seconds: float):
+        super().__init__(ex.store, ex.manifest)
+        self.until = None
+        self.seconds = seconds
+        self.failures = 0
+
+    def fetch_mean(self, fragment, round):
+        self.until = self.until or time.monotonic() + self.seconds
+        if time.monotonic() < self.until:
+            self.failures += 1
+            raise TransientStoreError("get mean.json failed after 6 attempts; 503")
+        return super().fetch_mean(fragment, round)
+
+
+def test_a_worker_waiting_for_a_mean_rides_out_an_outage():
+    cfg = BLOCKING.model_copy(update={"outage_s": 30.0, "poll_max_s": 0.05,
+                                      "poll_interval_s": 0.01})
+    _, ex = make_run(cfg)
+    flaky = Outage(ex, seconds=1.0)
+    inflight = InFlight(flaky, "w0", 1, cfg, lambda s: None)
+    try:
+        inflight.send(0, 0, torch.full((ex.manifest.numel(0),), 0.1), tokens=10,
+                      final=False, step=2)
+        ex.publish_delta(0, 0, "w1", vec(ex, 0.2), tokens=10)
+        inflight.drain()
+        Aggregator(open_exchange(ex.store)).poll_once()
+        mean, commit = inflight.wait_mean(inflight.get(0, 0))
+        assert sorted(commit["weights"]) == ["w0", "w1"]
+        assert flaky.failures >= 2
+    finally:
+        inflight.close()
+
+
+def test_outlast_gives_up_after_its_patience_and_when_told_to_stop():
+    log = __import__("logging").getLogger("test")
+    calls = []
+
+    def failing():
+        calls.append(1)
+        raise TransientStoreError("down")
+
+    start = time.monotonic()
+    with pytest.raises(TransientStoreError):
+        outlast(failing, patience_s=0.3, what="x", log=log, pause_s=0.05)
+    assert 0.3 <= time.monotonic() - start < 5 and len(calls) >= 3
+    calls.clear()
+    with pytest.raises(TransientStoreError):
+        outlast(failing, patience_s=60, what="x", log=log, pause_s=0.05, stop=lambda: True)
+    assert len(calls) == 1
+
+
+def test_a_stalled_round_is_reported_with_who_is_missing():
+    cfg = BLOCKING.model_copy(update={"stall_after_s": 0.2, "deadline_s": 600.0})
+    _, ex = make_run(cfg)
+    reports: list[list[Stall]] = []
+    agg = Aggregator(open_exchange(ex.store), on_stall=reports.append)
+    ex.publish_delta(0, 0, "w0", vec(ex, 0.1), tokens=10)
+    stop = threading.Event()
+    t = threading.Thread(target=agg.run, args=(stop,), kwargs={"poll_interval": 0.02})
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not reports and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert reports, "no stall was reported"
+        (stall,) = reports[0]
+        assert (stall.fragment, stall.round, stall.missing) == (0, 0, ["w1"])
+        assert "waits for w1 since" in stall.describe()
+        ex.publish_delta(0, 0, "w1", vec(ex, 0.1), tokens=10)
+        while reports[-1] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert reports[-1] == [] and agg.stalled == []
+    finally:
+        stop.set()
+        t.join(10)
+
+
+def test_a_dead_worker_costs_one_deadline_then_rounds_go_on_without_it():
+    """Default quorum (half the workers): round 0 is reduced without the silent w1
+    once the deadline passes; w1 is then absent, and later rounds do not wait for
+    it beyond ``absent_deadline_s``; when it sends again in time it counts again."""
+    cfg = BLOCKING.model_copy(update={"deadline_s": 0.2, "absent_deadline_s": 0.0})
+    assert cfg.quorum == 0.5
+    _, ex = make_run(cfg, steps=6)
+    agg = Aggregator(open_exchange(ex.store))
+    ex.publish_delta(0, 0, "w0", vec(ex, 0.1), tokens=10)
+    assert not agg.poll_once()
+    time.sleep(0.25)
+    assert agg.poll_once()
+    assert agg.absent == {"w1"}
+    ex.publish_delta(0, 1, "w0", vec(ex, 0.1), tokens=10)
+    assert agg.poll_once()  # no deadline wait: w1 is absent
+    for w in ("w0", "w1"):
+        ex.publish_delta(0, 2, w, vec(ex, 0.1), tokens=10)
+    assert agg.poll_once()
+    assert sorted(ex.fetch_mean(0, 2)[1]["weights"]) == ["w0", "w1"]
+    assert agg.absent == set()
