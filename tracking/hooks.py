@@ -35,6 +35,11 @@ class Hooks:
         seconds, grad_norm, and when evaluated, eval_loss and perplexity of the
         canonical model, plus bytes_up / bytes_down of the aggregator."""
 
+    def aggregator_stalled(self, stalls: list[dict[str, Any]]) -> None:
+        """No round was applied for a while: per open (fragment, round), the workers
+        still missing and since when (``fragment``, ``round``, ``missing``,
+        ``since``, ``waited_s``, ``text``); ``[]`` once rounds are applied again."""
+
     def run_finished(self, summary: dict[str, Any]) -> None:
         """The train job ended; ``summary`` is its final report."""
 

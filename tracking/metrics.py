@@ -76,3 +76,9 @@ def eval_metrics(values: dict[str, float], rounds: int, ts: int) -> list[Any]:
     metric = _metric_type()
     k = max(0, rounds - 1)
     return [metric(name, float(v), ts, k) for name, v in values.items()]
+
+
+def stall_metrics(waited_s: float, ts: int, step: int) -> list[Any]:
+    """``stalled_s``: how long the aggregator has applied no round (0 once it does
+    again), at the index of the rounds applied so far."""
+    return [_metric_type()("stalled_s", float(waited_s), ts, step)]

@@ -65,6 +65,7 @@ from tracking.metrics import (
     round_index,
     round_metrics,
     round_size,
+    stall_metrics,
 )
 from tracking.plots import RUN_PLOTS
 from tracking.runs import NotReady, Permanent, RunLinks, is_permanent
@@ -163,6 +164,7 @@ class MlflowHooks(Hooks):
         self._config: dict[str, Any] | None = None
         self._n_params: int | None = None
         self._round_counter = 0
+        self._rounds_seen = 0  # round reports so far: where a stall's metric sits
         self._started_ms: int | None = None
         self._last_error = ""
         self._outage_since: float | None = None
@@ -222,6 +224,7 @@ class MlflowHooks(Hooks):
             log.debug("worker_finished not tracked", exc_info=True)
 
     def aggregator_round(self, report: dict[str, Any]) -> None:
+        self._rounds_seen += 1
         try:
             ts = int(time.time() * 1000)
             report = dict(report, weights=dict(report.get("weights") or {}))
@@ -249,6 +252,22 @@ class MlflowHooks(Hooks):
                                 len(values))
         except Exception:  # noqa: BLE001
             log.debug("aggregator_eval not tracked", exc_info=True)
+
+    def aggregator_stalled(self, stalls: list[dict[str, Any]]) -> None:
+        """A stall shows on the aggregator's run as the tag ``diloco.stalled`` (who is
+        missing since when; emptied when rounds are applied again) and the metric
+        ``stalled_s``, so it is visible in the MLflow UI while the run waits."""
+        try:
+            text = "; ".join(s["text"] for s in stalls)
+            waited = max((float(s["waited_s"]) for s in stalls), default=0.0)
+            self._task(_Task("tag diloco.stalled",
+                             lambda: self._set_tags("aggregator", {"diloco.stalled": text}),
+                             lost={"tags": 1}))
+            ts = int(time.time() * 1000)
+            step = self._rounds_seen
+            self.sender.log("aggregator", lambda: stall_metrics(waited, ts, step), 1)
+        except Exception:  # noqa: BLE001
+            log.debug("aggregator_stalled not tracked", exc_info=True)
 
     def run_finished(self, summary: dict[str, Any]) -> None:
         try:
