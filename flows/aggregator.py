@@ -17,6 +17,7 @@ SIGTERM it stops at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -27,10 +28,11 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from prefect import flow
+from prefect import flow, get_run_logger
+from prefect.exceptions import MissingContextError
 from prefect.states import Cancelled
 
-from diloco.aggregator import Aggregator, RoundReport
+from diloco.aggregator import Aggregator, RoundReport, Stall
 from diloco.run import open_exchange, plan_for
 from flows.control import CancelWatch, ParentWatch, cancel_request
 from flows.jobs import (
@@ -170,10 +172,6 @@ def run_aggregator_job(
                  sum(agg.next_round), total, loss)
         return dict(last_eval)
 
-    def progress(state: str, force: bool = False, **extra: Any) -> None:
-        board.update(state, force=force, rounds=sum(agg.next_round), total_rounds=total,
-                     rejected=agg.stats.rejected, **counted, **last_eval, **extra)
-
     def on_round(report: RoundReport) -> None:
         present = [w for w in report.weights if w in counted["rounds_by_worker"]]
         for w in present:
@@ -186,7 +184,24 @@ def run_aggregator_job(
         hooks.aggregator_round({**asdict(report), **evaluated, "bytes_up": traffic.bytes_up,
                                 "bytes_down": traffic.bytes_down})
 
+    stalled: list[dict[str, Any]] = []
+
+    def on_stall(stalls: list[Stall]) -> None:
+        """A run must never wait silently: who is missing, since when, in the status
+        board (`diloco status`), MLflow, and the Prefect flow run's log."""
+        stalled[:] = [{**asdict(s), "text": s.describe()} for s in stalls]
+        progress("running", force=True)
+        hooks.aggregator_stalled(list(stalled))
+        if stalled:
+            prefect_log("aggregator stalled: " + "; ".join(s["text"] for s in stalled))
+
+    def progress(state: str, force: bool = False, **extra: Any) -> None:
+        board.update(state, force=force, rounds=sum(agg.next_round), total_rounds=total,
+                     rejected=agg.stats.rejected, stalled=stalled, **counted, **last_eval,
+                     **extra)
+
     agg.on_round = on_round
+    agg.on_stall = on_stall
     progress("running", force=True)
     for w in watchers:
         w.start()
@@ -218,6 +233,13 @@ def run_aggregator_job(
     progress(state, force=True, **lost)
     return {"state": state, "rounds": sum(agg.next_round), "total_rounds": total,
             "rejected": agg.stats.rejected, **last_eval, **lost}
+
+
+def prefect_log(message: str) -> None:
+    """A warning in the Prefect flow run's log, when the job runs as a flow run (a
+    job started by the local launcher has none; its own log has the line)."""
+    with contextlib.suppress(MissingContextError):
+        get_run_logger().warning(message)
 
 
 @flow(name="aggregator", log_prints=True)
