@@ -90,6 +90,10 @@ class LiveProgress:
         info = f"{_state(a.get('state'))} rounds"
         if a.get("eval_loss") is not None:
             info += f" canonical eval {_loss(a['eval_loss'])}"
+        if a.get("stalled") and a.get("state") == "running":
+            missing = sorted({w for st in a["stalled"] for w in st.get("missing", [])})
+            info += (f" [yellow]stalled {max(st.get('waited_s', 0) for st in a['stalled']):.0f} s"
+                     f", waiting for {', '.join(missing) or 'the reduction'}[/]")
         self.progress.update(self.tasks["aggregator"], completed=a.get("rounds", 0), info=info)
 
 
@@ -163,6 +167,11 @@ def print_status(console: Console, exchange: Exchange, run_url: str,
                   f"{a.get('rounds', 0)}/{sum(m.rounds)} rounds", "", _loss(a.get("eval_loss")),
                   "", "", "", "", (a.get("updated") or "")[11:19])
     console.print(table)
+    if a.get("stalled") and a.get("state") == "running":
+        console.print("[yellow]stalled[/]: no round applied since "
+                      f"{a['stalled'][0].get('since', '')[11:19]} UTC")
+        for st in a["stalled"]:
+            console.print(f"  {st.get('text', '')}")
     if cancel:
         console.print(f"[yellow]cancel requested[/] {cancel.get('requested', '')[:19]} by "
                       f"{cancel.get('by')}: {cancel.get('reason')}")
