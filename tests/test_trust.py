@@ -267,3 +267,24 @@ def test_a_dead_worker_costs_one_deadline_then_rounds_go_on_without_it():
     assert agg.poll_once()
     assert sorted(ex.fetch_mean(0, 2)[1]["weights"]) == ["w0", "w1"]
     assert agg.absent == set()
+
+
+def test_diloco_status_shows_a_stall(tmp_path, monkeypatch):
+    """`diloco status` prints who the stalled rounds wait for, from the aggregator's
+    status in the store (what a user sees from any machine)."""
+    from typer.testing import CliRunner  # noqa: PLC0415 - the command room, one test
+
+    from cli.app import app  # noqa: PLC0415
+    from workers.status import StatusBoard  # noqa: PLC0415
+
+    monkeypatch.chdir(tmp_path)
+    store = ObjectStore(f"file://{tmp_path}/runs/stalled-run")
+    new_run(store, Blocks(), BLOCKING, workers=["w0", "w1"], total_steps=4)
+    stall = Stall(0, 1, ["w1"], "2026-11-24T10:00:00+00:00", 75.0)
+    StatusBoard(store, "aggregator").update(
+        "running", force=True, rounds=1, total_rounds=2,
+        stalled=[{**stall.__dict__, "text": stall.describe()}])
+    result = CliRunner().invoke(app, ["status", "stalled-run"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "stalled" in result.output
+    assert "fragment 0 round 1 waits for w1 since 10:00:00 UTC (75 s)" in result.output
