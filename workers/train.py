@@ -36,6 +36,7 @@ from diloco.replica import MergeAbandoned, Synchronizer
 from diloco.run import load_initial, open_exchange, plan_for
 from diloco.schedule import Schedule
 from storage.objectstore import ObjectStore
+from storage.retry import outlast
 from workers import checkpoint
 from workers.config import RunConfig
 from workers.data.streams import WorkerStream, open_dataset, val_batches
@@ -283,7 +284,11 @@ class WorkerLoop:
             "tokens": self.tokens,
             "sync": self.sync.state_dict() if self.sync is not None else None,
         }
-        checkpoint.save(self.ckpt_store, self.worker, self.step, state)
+        # a checkpoint write is safe to repeat (create-only commit): an outage of the
+        # store is ridden out for up to sync.outage_s rather than killing the worker
+        outlast(lambda: checkpoint.save(self.ckpt_store, self.worker, self.step, state),
+                patience_s=self.cfg.sync.outage_s, log=log, pause_s=2.0,
+                what=f"worker {self.worker}: checkpoint at step {self.step}")
         log.info("worker %s: checkpoint at step %d", self.worker, self.step)
 
     # -- the loop ------------------------------------------------------------------
