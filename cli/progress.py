@@ -167,6 +167,12 @@ def print_status(console: Console, exchange: Exchange, run_url: str,
                   f"{a.get('rounds', 0)}/{sum(m.rounds)} rounds", "", _loss(a.get("eval_loss")),
                   "", "", "", "", (a.get("updated") or "")[11:19])
     console.print(table)
+    for w, s in snap["workers"].items():
+        waiting = s.get("waiting")
+        if waiting and s.get("state") == "running":
+            console.print(f"[yellow]{w} waits[/] for the mean of fragment "
+                          f"{waiting.get('fragment')} round {waiting.get('round')} "
+                          f"({waiting.get('waited_s', 0):.0f} s at {(s.get('updated') or '')[11:19]} UTC)")
     if a.get("stalled") and a.get("state") == "running":
         console.print("[yellow]stalled[/]: no round applied since "
                       f"{a['stalled'][0].get('since', '')[11:19]} UTC")

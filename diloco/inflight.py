@@ -86,9 +86,11 @@ class InFlight:
         *,
         stop: threading.Event | None = None,
         stop_patience_s: float = 10.0,
+        on_stall: Callable[[int, int, float], None] | None = None,
     ):
         """``on_wait(seconds)`` is told every time a merge waited for a mean;
-        ``stop`` and ``stop_patience_s`` as for `diloco.replica.Synchronizer`."""
+        ``on_stall(fragment, round, seconds)`` every ``stall_after_s`` while one
+        waits; ``stop`` and ``stop_patience_s`` as for `diloco.replica.Synchronizer`."""
         self.exchange = exchange
         self.worker = worker
         self.config = config
@@ -101,6 +103,7 @@ class InFlight:
         self._on_wait = on_wait
         self._abandon = stop
         self.stop_patience_s = stop_patience_s
+        self.on_stall = on_stall
         self._closed = threading.Event()
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix=f"enc-{worker}")
         self._uploader = ThreadPoolExecutor(2, thread_name_prefix=f"up-{worker}")
@@ -204,12 +207,21 @@ class InFlight:
         start = time.perf_counter()
         self.waiting_for = (p, r)
         stopped_at = None
+        told = 0.0
         try:
             while True:
                 try:
                     value = future.result(timeout=0.25)
                     break
                 except TimeoutError:
+                    waited = time.perf_counter() - start
+                    if waited - told >= self.config.stall_after_s:
+                        told = waited  # never wait silently: say so every stall_after_s
+                        log.warning("worker %s: waiting %.0f s for the mean of fragment %d "
+                                    "round %d (is the aggregator running? `diloco status` "
+                                    "says who it waits for)", self.worker, waited, p, r)
+                        if self.on_stall is not None:
+                            self.on_stall(p, r, waited)
                     if self._abandon is None or not self._abandon.is_set():
                         continue
                     now = time.perf_counter()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,11 +93,14 @@ class Synchronizer:
         initialise: bool = True,
         stop: threading.Event | None = None,
         stop_patience_s: float = 10.0,
+        on_stall: Callable[[int, int, float], None] | None = None,
     ):
         """``stop``: once set, a merge blocked on a mean waits at most
         ``stop_patience_s`` more seconds (the mean may still come, if the other
         workers are running) and then raises `MergeAbandoned`. Without it a worker
-        whose peers have stopped would wait for a mean that never comes."""
+        whose peers have stopped would wait for a mean that never comes.
+        ``on_stall(fragment, round, seconds)``: told every ``stall_after_s`` while a
+        merge waits for a mean (the worker's status shows it)."""
         manifest = exchange.manifest
         self.model, self.exchange, self.worker, self.plan = model, exchange, worker, plan
         self.config = config or SyncConfig(**manifest.sync)
@@ -117,7 +121,7 @@ class Synchronizer:
                 plan.scatter(model, p, state.params)
         self.inflight = InFlight(exchange, worker, len(plan), self.config,
                                  self.stats.record_wait, stop=stop,
-                                 stop_patience_s=stop_patience_s)
+                                 stop_patience_s=stop_patience_s, on_stall=on_stall)
         self._next_round = [0] * len(plan)
         self._tokens = 0
         self._tokens_at_send = [0] * len(plan)

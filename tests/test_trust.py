@@ -288,3 +288,21 @@ def test_diloco_status_shows_a_stall(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "stalled" in result.output
     assert "fragment 0 round 1 waits for w1 since 10:00:00 UTC (75 s)" in result.output
+
+
+def test_a_worker_waiting_long_for_a_mean_says_so():
+    """With no aggregator, a merge's wait is reported every ``stall_after_s`` (the
+    worker's status shows it) instead of waiting silently."""
+    cfg = BLOCKING.model_copy(update={"stall_after_s": 0.3})
+    _, ex = make_run(cfg)
+    told: list[tuple[int, int, float]] = []
+    stop = threading.Event()
+    inflight = InFlight(ex, "w0", 1, cfg, lambda s: None, stop=stop, stop_patience_s=0.0,
+                        on_stall=lambda p, r, s: (told.append((p, r, s)), stop.set()))
+    try:
+        inflight.send(0, 0, torch.zeros(ex.manifest.numel(0)), tokens=1, final=False, step=2)
+        with pytest.raises(Exception, match="stopped while waiting"):
+            inflight.wait_mean(inflight.get(0, 0))
+        assert told and told[0][:2] == (0, 0) and told[0][2] >= 0.3
+    finally:
+        inflight.close()

@@ -254,7 +254,8 @@ class WorkerLoop:
         if self._uses_sync() and self.group.leader:
             self.sync = Synchronizer(self.model, self.exchange, self.worker, self.plan,
                                      initialise=saved is None, stop=self.stop,
-                                     stop_patience_s=self.stop_patience_s)
+                                     stop_patience_s=self.stop_patience_s,
+                                     on_stall=self._waiting)
         elif self._uses_sync() or self.cfg.train.strategy == "data_parallel":
             # followers and the baseline start from the run's initial parameters too
             for p, v in enumerate(load_initial(self.exchange, len(self.plan))):
@@ -413,6 +414,11 @@ class WorkerLoop:
             resumed_from=self.resumed_from,
             losses=losses,
         )
+
+    def _waiting(self, p: int, r: int, seconds: float) -> None:
+        """A merge has waited long for a mean: the status says which and how long."""
+        self._status("running", force=True,
+                     waiting={"fragment": p, "round": r, "waited_s": round(seconds, 1)})
 
     def _status(self, state: str, force: bool = False, **fields: Any) -> None:
         if self.status is None:
