@@ -24,7 +24,8 @@ Roles, as the exchange protocol uses the bucket (see `storage/layout.py`):
   checkpoints. A compromised or buggy worker cannot overwrite another's delta, the
   mean, or the canonical model.
 - ``aggregator``: reads everything, writes the means and their commits, the
-  rejection notes, the canonical (global) state, and the run manifest.
+  rejection notes, the canonical (global) state, the run manifest, and its own
+  registration and status (``members/aggregator.json``, ``members/aggregator/*``).
 - ``reader``: read-only (dashboards, evaluation, MLflow comparisons).
 
 The documents use explicit per-worker prefixes rather than ``${aws:username}``, so
@@ -212,6 +213,8 @@ AGGREGATOR_WRITE_PATTERNS = [
     "frag/*/mean.json",
     "frag/*/rejected/*",
     "global/*",
+    "members/aggregator.json",  # its registration, written at start
+    "members/aggregator/*",  # its status
 ]
 
 

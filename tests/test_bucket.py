@@ -225,6 +225,80 @@ def test_role_policies_follow_the_key_layout():
         role_policies("bkt", "runs", workers=["w/1"])
 
 
+MICRO = [
+    "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
+    "data.seq_len=32", "data.batch_size=8", "optim.warmup_steps=4", "optim.lr=0.01",
+    "train.eval_every=0", "train.eval_batches=2", "train.threads=1", "sync.sync_every=8",
+    "sync.fragments=2", "sync.overlap=1", "train.steps=24", "train.checkpoint_every=8",
+    "train.keep_checkpoints=1",  # so that the aggregator prunes, as it does in a long run
+]
+
+WRITES = {"put": "s3:PutObject", "put_if_absent": "s3:PutObject", "put_many": "s3:PutObject",
+          "delete": "s3:DeleteObject", "delete_prefix": "s3:DeleteObject"}
+
+
+def _record_writes(monkeypatch, root: Path) -> list[tuple[str, str]]:
+    """Every key written or deleted through any ObjectStore of this process, as
+    (S3 action, key relative to ``root``); zarr payloads go through put_many too."""
+    from storage.objectstore import ObjectStore
+
+    seen: list[tuple[str, str]] = []
+    base = str(root).rstrip("/") + "/"
+
+    def note(store, op, keys):
+        for key in keys:
+            path = store.fs_path(key)
+            if path.startswith(base):
+                seen.append((WRITES[op], path[len(base):]))
+
+    for op in WRITES:
+        original = getattr(ObjectStore, op)
+
+        def wrapper(self, arg, *rest, _op=op, _original=original, **kw):
+            keys = (list(arg) if _op == "put_many" else
+                    self.list(arg) if _op == "delete_prefix" else [arg])
+            note(self, _op, keys)
+            return _original(self, arg, *rest, **kw)
+
+        monkeypatch.setattr(ObjectStore, op, wrapper)
+    return seen
+
+
+@pytest.mark.slow
+def test_the_aggregator_policy_allows_every_key_the_aggregator_writes(tmp_path, monkeypatch):
+    """The aggregator job on a real (micro) run, its two workers as processes: every
+    key it writes or deletes, recorded as it happens, is allowed by the aggregator's
+    role policy. (Its registration members/aggregator.json and its status
+    members/aggregator/status.json were missing: Access Denied at start.)"""
+    from flows.aggregator import run_aggregator_job
+    from flows.launchers import LocalLauncher
+    from workers.config import load_config
+    from workers.data.prepare import prepare_data
+    from workers.runs import create_run
+
+    monkeypatch.setenv("DILOCO_TRACKING", "off")
+    data = str(tmp_path / "data")
+    prepare_data(["builtin:shakespeare/tragedies/*"], data, max_bytes=200_000)
+    cfg = load_config("tiny", [*MICRO, f"data.dataset={data}", f"store={tmp_path}"])
+    run = tmp_path / "run"
+    create_run(cfg, str(run))
+    launcher = LocalLauncher(log_dir=tmp_path / "logs")
+    for worker in cfg.workers:
+        launcher.start(str(run), worker)
+    written = _record_writes(monkeypatch, run)
+    try:
+        out = run_aggregator_job(str(run), evaluate=True)
+    finally:
+        launcher.stop(cfg.workers, grace=60)
+    assert out["state"] == "finished", out
+    keys = {key for _, key in written}
+    assert {"members/aggregator.json", "members/aggregator/status.json"} <= keys
+    assert any(a == "s3:DeleteObject" and k.startswith("global/") for a, k in written)
+    policy = role_policies("bkt", "runs")["aggregator"]
+    denied = sorted({(a, k) for a, k in written if not _allowed(policy, a, _obj(k))})
+    assert not denied, f"the aggregator's policy denies what it writes: {denied[:10]}"
+
+
 @pytest.mark.s3
 def test_bucket_policy_applies_and_reads_back(s3_client, fresh_bucket):
     if os.environ.get("DILOCO_TEST_S3_ENDPOINT"):
