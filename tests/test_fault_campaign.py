@@ -1,0 +1,316 @@
+"""A small, bounded fault campaign on real multi-process runs.
+
+Every trial runs the aggregator and two workers as processes on one micro config
+(2 workers, P = 2, H = 4, tau = 1, 16 steps: 5 rounds per fragment, int4 up and
+int8 down with error feedback both ways) and injects one fault:
+
+- kill (SIGKILL) a worker or the aggregator at a publish boundary, restart it
+  normally, and require the canonical state of an uninterrupted run of the same
+  config, bit for bit, with every round applied exactly once;
+- plant a bad contribution (flipped byte, NaN, wrong shape, a replayed record, a
+  1e30 value sent through the public API) in the slot of the worker that is then
+  killed and restarted (it must re-read its own delta), or in the other worker's
+  slot: the run must finish with the rejection recorded and a finite, sane model;
+- put a proxy failing 30% of the requests (503, connection resets) between the
+  jobs and the S3 test server: same canonical state as without it;
+- SIGKILL ``diloco run`` during start-up, then ``diloco resume``: same state.
+
+Faults are injected by tests/fault_job.py (launched instead of ``python -m
+workers``), never by changing product code. Every trial has a hard deadline:
+past it, everything is killed and the trial fails with "hung" and the end of
+each job's log. Helpers are in tests/faults.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+try:  # tests/ is on sys.path under pytest's default import mode
+    from faults import (
+        FaultProxy,
+        Jobs,
+        applied_once,
+        canonical_eval,
+        differences,
+        env_for,
+        fired,
+        job_argv,
+        snapshot,
+    )
+except ImportError:  # tests imported as a package
+    from tests.faults import (
+        FaultProxy,
+        Jobs,
+        applied_once,
+        canonical_eval,
+        differences,
+        env_for,
+        fired,
+        job_argv,
+        snapshot,
+    )
+
+from workers.config import load_config
+from workers.data.prepare import prepare_data
+from workers.runs import create_run
+
+WORKERS = ("region-a", "region-b")
+#: seconds a trial may take before it is called hung (a plain run takes ~7 s)
+TRIAL_TIMEOUT = 90.0
+
+# The micro model of tests/test_flows.py, 16 steps. The aggregator waits 30 s for
+# a missing worker (a killed one is back within a few seconds, so kills never
+# change who is in a round); a rejected contribution counts as arrived, so it
+# never makes a round wait.
+MICRO = [
+    "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
+    "data.seq_len=32", "data.batch_size=8", "optim.warmup_steps=4", "optim.lr=0.01",
+    "train.eval_every=0", "train.eval_batches=2", "train.log_every=1", "train.threads=1",
+    "train.steps=16", "train.checkpoint_every=4", "train.keep_checkpoints=0",
+    "sync.sync_every=4", "sync.fragments=2", "sync.overlap=1",
+    "sync.codec_up=int4", "sync.codec_down=int8", "sync.error_feedback=true",
+    "sync.deadline_s=30", "sync.absent_deadline_s=30",
+]
+
+
+@pytest.fixture(autouse=True)
+def no_tracking(monkeypatch):
+    """MLflow has its own tests; here it would only cost time."""
+    monkeypatch.setenv("DILOCO_TRACKING", "off")
+
+
+@pytest.fixture(scope="module")
+def data_url(tmp_path_factory) -> str:
+    url = str(tmp_path_factory.mktemp("data") / "shakespeare")
+    prepare_data(["builtin:shakespeare/tragedies/*"], url, max_bytes=200_000)
+    return url
+
+
+def overrides(data_url: str) -> list[str]:
+    return [*MICRO, f"data.dataset={data_url}"]
+
+
+def run_jobs(run_url: str, logs: Path, faults: dict[str, list[dict]] | None = None,
+             *, env: dict[str, str] | None = None) -> list[str]:
+    """Run the aggregator and the workers of ``run_url`` to the end under the
+    trial deadline. A process with faults runs tests/fault_job.py; when a fault
+    kills it, it is started again as plain ``python -m workers``. Returns the
+    lines of the faults that fired."""
+    faults = faults or {}
+    fault_log = logs / "faults.log"
+    restart = {}
+    with Jobs(logs, TRIAL_TIMEOUT) as jobs:
+        for name in ("aggregator", *WORKERS):
+            plain = env_for(**(env or {}))
+            mine = faults.get(name)
+            if mine:
+                faulty = {**plain, "DILOCO_FAULTS": json.dumps(mine),
+                          "DILOCO_FAULT_LOG": str(fault_log)}
+                jobs.start(name, job_argv(run_url, name, faulty=True), faulty)
+                restart[name] = (job_argv(run_url, name, faulty=False), plain)
+            else:
+                jobs.start(name, job_argv(run_url, name, faulty=False), plain)
+        jobs.wait(restart)
+    return fired(fault_log)
+
+
+def new_run(data_url: str, url: str, storage_options: dict | None = None) -> str:
+    create_run(load_config("tiny", overrides(data_url)), url,
+               storage_options=storage_options)
+    return url
+
+
+@pytest.fixture(scope="module")
+def reference(data_url, tmp_path_factory):
+    """The uninterrupted run on a local directory: its snapshot and eval loss."""
+    tmp = tmp_path_factory.mktemp("reference")
+    url = new_run(data_url, str(tmp / "run"))
+    run_jobs(url, tmp / "logs")
+    return snapshot(url), canonical_eval(url)
+
+
+def assert_same_as(reference_snapshot, url: str, storage_options: dict | None = None) -> None:
+    got = snapshot(url, storage_options)
+    problems = differences(got, reference_snapshot) + applied_once(got)
+    if got.rejected:
+        problems.append(f"rejections in a run without bad payloads: {got.rejected}")
+    assert not problems, "\n".join(problems)
+
+
+# -- kills at every publish boundary ---------------------------------------------------
+
+KILLS = [
+    # (who, boundary, fragment, round)
+    ("region-a", "before-commit", 1, 1),     # delta uploaded, its record not created
+    ("region-a", "after-commit", 1, 1),      # record created, nothing after it
+    ("aggregator", "before-mean-commit", 0, 2),  # mean payload written, no mean.json
+    ("aggregator", "published", 0, 2),       # mean.json committed, not stepped
+    ("aggregator", "stepped", 0, 2),         # stepped, no canonical checkpoint
+    ("aggregator", "checkpointed", 0, 2),    # checkpoint committed, round not counted
+]
+
+
+@pytest.mark.parametrize("who, boundary, fragment, rnd", KILLS,
+                         ids=[f"{'worker' if w in WORKERS else w}-{b}" for w, b, _, _ in KILLS])
+def test_kill_at_boundary(who, boundary, fragment, rnd, data_url, reference, tmp_path):
+    """SIGKILL at the boundary, a plain restart: the canonical state of the
+    uninterrupted run, bit for bit, each round applied once."""
+    url = new_run(data_url, str(tmp_path / "run"))
+    fault = {"action": "kill", "at": boundary, "fragment": fragment, "round": rnd}
+    lines = run_jobs(url, tmp_path / "logs", {who: [fault]})
+    assert any(f"killed at {boundary} {fragment} {rnd}" in line for line in lines), lines
+    assert_same_as(reference[0], url)
+
+
+# -- bad payloads ----------------------------------------------------------------------
+
+PLANTS = ["flip", "nan", "shape", "replay", "huge"]
+#: the round each kind is planted in: a replay copies round 0's record to round 1;
+#: a huge value needs the norm guard's history (sync.norm_guard_warmup = 2 rounds)
+PLANT_ROUND = {"replay": 1}
+PLANT_FRAGMENT = 1
+
+
+@pytest.mark.parametrize("slot", ["own", "other"])
+@pytest.mark.parametrize("kind", PLANTS)
+def test_bad_payload(kind, slot, data_url, reference, tmp_path):
+    """A bad contribution in region-a's slot (``own``: region-a is then killed
+    and restarted, and must re-read it) or in region-b's (``other``: region-a is
+    killed all the same and must not care): rejected and recorded, the run
+    finishes (every job exits 0), the canonical model is finite and sane."""
+    rnd = PLANT_ROUND.get(kind, 2)
+    victim = "region-a" if slot == "own" else "region-b"
+    where = {"fragment": PLANT_FRAGMENT, "round": rnd}
+    faults = {"region-a": [{"action": "kill", "at": "after-publish", **where}]}
+    faults.setdefault(victim, []).insert(0, {"action": "plant", "kind": kind, **where})
+    url = new_run(data_url, str(tmp_path / "run"))
+    lines = run_jobs(url, tmp_path / "logs", faults)
+    assert any(f"{victim} planted {kind}" in line for line in lines), lines
+    assert any("region-a killed at after-publish" in line for line in lines), lines
+
+    got = snapshot(url)
+    key = (PLANT_FRAGMENT, rnd)
+    assert victim in got.rejected.get(key, {}), (
+        f"no rejection of {victim} recorded under frag/{key[0]}/r{key[1]:06d}/rejected/; "
+        f"rejections: {got.rejected}")
+    assert victim not in got.weights[key], f"the bad contribution was used: {got.weights[key]}"
+    assert not applied_once(got), applied_once(got)
+    for p, arrays in got.final.items():
+        for name, value in arrays.items():
+            assert value.size and bool((abs(value) < 1e3).all()), (
+                f"fragment {p} {name}: not finite or exploded (max |x| = {abs(value).max()})")
+    loss = canonical_eval(url)
+    ref_loss = reference[1]
+    assert math.isfinite(loss) and loss < ref_loss + 0.5, (
+        f"canonical eval loss {loss:.3f}, the reference reaches {ref_loss:.3f}")
+
+
+# -- a flaky network in front of S3 -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3_reference(data_url, s3_endpoint, s3_bucket, s3_env, tmp_path_factory):
+    """The uninterrupted run on the S3 test server, no proxy."""
+    endpoint, options = s3_endpoint
+    url = new_run(data_url, f"s3://{s3_bucket}/faults-ref-{uuid.uuid4().hex[:8]}", options)
+    run_jobs(url, tmp_path_factory.mktemp("s3-reference"), env=s3_env)
+    return snapshot(url, options)
+
+
+@pytest.mark.s3
+def test_flaky_s3(data_url, s3_endpoint, s3_bucket, s3_env, s3_reference, tmp_path):
+    """30% of the jobs' requests fail (503 SlowDown, resets before and after the
+    server acted): the run finishes with the state of the run without faults."""
+    endpoint, options = s3_endpoint
+    url = new_run(data_url, f"s3://{s3_bucket}/faults-{uuid.uuid4().hex[:8]}", options)
+    with FaultProxy(endpoint, rate=0.3, seed=7) as proxy:
+        run_jobs(url, tmp_path / "logs", env={**s3_env, "AWS_ENDPOINT_URL_S3": proxy.url})
+    failed = sum(n for k, n in proxy.counts.items() if k != "forward")
+    assert failed > 50, dict(proxy.counts)
+    assert_same_as(s3_reference, url, options)
+
+
+# -- the launcher killed during start-up -------------------------------------------------
+
+DILOCO = str(Path(sys.executable).parent / "diloco")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ", 1)[1].startswith("Z"))
+
+
+def test_launcher_killed_at_startup(data_url, reference, tmp_path):
+    """``diloco run`` is SIGKILLed once it has launched its jobs (they stop by
+    themselves: their launcher is gone); ``diloco resume`` finishes the run with
+    the canonical state of the uninterrupted one."""
+    url = str(tmp_path / "run")
+    env = env_for(PREFECT_HOME=str(tmp_path / "prefect-home"), COLUMNS="120")
+    env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
+    sets = [a for o in overrides(data_url) for a in ("--set", o)]
+    log = tmp_path / "diloco.log"
+    deadline = time.monotonic() + 2 * TRIAL_TIMEOUT
+    orphans: list[int] = []
+
+    def hung(what: str) -> str:
+        return f"hung: {what}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+
+    record = Path(url) / "members" / "launcher.json"
+    launched: list[subprocess.Popen] = []
+
+    def diloco(*args: str) -> subprocess.Popen:
+        with open(log, "ab") as out:
+            out.write(f"--- diloco {' '.join(args[:2])}\n".encode())
+            out.flush()
+            proc = subprocess.Popen([DILOCO, *args], cwd=tmp_path, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        launched.append(proc)
+        return proc
+
+    def jobs() -> list[int]:
+        try:
+            return [job["pid"] for job in json.loads(record.read_text())["jobs"].values()]
+        except (OSError, ValueError, KeyError):
+            return []
+
+    try:
+        run = diloco("run", "--run-url", url, "--no-eval", *sets)
+        while not record.exists():
+            assert run.poll() is None, hung(f"diloco run exited {run.returncode} early")
+            assert time.monotonic() < deadline, hung("diloco run launched no jobs")
+            time.sleep(0.05)
+        os.killpg(run.pid, signal.SIGKILL)  # the launcher and its Prefect server
+        run.wait(10)
+        orphans = jobs()
+        while any(alive(pid) for pid in orphans):
+            assert time.monotonic() < deadline, hung(f"orphaned jobs {orphans} never stopped")
+            time.sleep(0.2)
+        resumed = diloco("resume", url)
+        while resumed.poll() is None:
+            assert time.monotonic() < deadline, hung("diloco resume")
+            time.sleep(0.2)
+        assert resumed.returncode == 0, hung(f"diloco resume exited {resumed.returncode}")
+    finally:  # everything this trial started, by pid: the commands and their jobs
+        for proc in launched:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        for pid in set(orphans + jobs()):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert_same_as(reference[0], url)
