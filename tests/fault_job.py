@@ -59,6 +59,7 @@ PLANTS = ("flip", "nan", "shape", "replay", "huge")
 
 _fired: set[int] = set()
 _lock = threading.Lock()
+_planting = threading.local()  # set while a plant publishes through the public API
 
 
 def note(text: str) -> None:
@@ -132,15 +133,22 @@ def install(faults: list[dict], me: str) -> None:
         real_publish = Exchange.publish_prepared
 
         def publish_prepared(self, prepared, *, tokens, extra=None):
+            if getattr(_planting, "on", False):  # the plant's own publish_delta
+                return real_publish(self, prepared, tokens=tokens, extra=extra)
             mine = [(i, f) for i, f in sends
                     if (f["fragment"], f["round"]) == (prepared.fragment, prepared.round)]
+            published = None
             for i, f in mine:
                 if f["action"] == "plant" and first_time(i):
-                    published = plant(self, prepared, f["kind"], tokens, extra, real_publish)
+                    _planting.on = True
+                    try:
+                        published = plant(self, prepared, f["kind"], tokens, extra,
+                                          real_publish)
+                    finally:
+                        _planting.on = False
                     note(f"{me} planted {f['kind']} {f['fragment']} {f['round']}")
-                    if published is not None:
-                        return published
-            published = real_publish(self, prepared, tokens=tokens, extra=extra)
+            if published is None:
+                published = real_publish(self, prepared, tokens=tokens, extra=extra)
             for i, f in mine:
                 if f.get("at") == "after-publish" and first_time(i):
                     die(f"{me} killed at after-publish {f['fragment']} {f['round']}")
