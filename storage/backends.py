@@ -2,8 +2,8 @@
 
 `ObjectStore` runs on three backends (see its module docstring); this module
 holds what differs between them before the first byte moves: which scheme a URL
-names, the credentials a URL may carry (taken out, never kept in the URL or in
-logs), the s3fs filesystem configured so that our retry layer is the only one,
+names, the refusal of credentials in a URL or in options bound for a stored
+parameter (they come from the environment), the s3fs filesystem configured so that our retry layer is the only one,
 the key rules that keep every key inside the store root, and the few pieces
 the file and memory backends need to make writes atomic.
 """
@@ -11,13 +11,14 @@ the file and memory backends need to make writes atomic.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qsl
 
 import fsspec
 from botocore.exceptions import ClientError
@@ -48,20 +49,18 @@ class Backend:
 def open_backend(url: str, storage_options: dict | None = None) -> Backend:
     """Open ``url`` (``s3://``, ``file://``, ``memory://`` or a plain path).
 
-    Credentials in an S3 URL (``s3://KEY:SECRET@bucket/p``) are used unless
-    ``storage_options`` names its own, and never stay in `Backend.url`.
+    A URL carrying credentials (``s3://KEY:SECRET@bucket/p``, ``?secret=...``) is
+    refused (`CredentialsInURL`): a run's URL is written into the bucket, onto
+    command lines, into MLflow and Prefect, and printed. Credentials come from the
+    environment (``AWS_*``) or from ``storage_options``.
     """
     if not isinstance(url, str) or not url:
         raise ValueError(f"store URL must be a non-empty string, got {url!r}")
+    refuse_credentials(url)
     kind = _scheme_of(url)
-    url, url_key, url_secret = _split_credentials(url)
     shown = _clean_url(url)
     options = dict(storage_options or {})
     if kind == "s3":
-        if url_key and not options.get("key"):
-            options["key"] = url_key
-        if url_secret and not options.get("secret"):
-            options["secret"] = url_secret
         fs = s3_filesystem(options)
         root = type(fs)._strip_protocol(url).rstrip("/")
         if not root:
@@ -72,6 +71,89 @@ def open_backend(url: str, storage_options: dict | None = None) -> Backend:
         if kind == "file":
             root = os.path.abspath(root or "/")
     return Backend(kind=kind, url=shown, fs=fs, root=root)
+
+
+# -- credentials: from the environment, never in a URL or a stored parameter ----------
+
+#: What to do instead, in every refusal.
+USE_THE_ENVIRONMENT = (
+    "set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN) in the "
+    "environment instead, and AWS_ENDPOINT_URL_S3 for a non-AWS endpoint"
+)
+
+#: Option or query-parameter names that hold a credential: key, secret, token,
+#: password and their spellings (aws_secret_access_key, session_token, ...).
+_SECRET_NAME = re.compile(
+    r"^(key|secret|token|password|passwd|pwd|sig|signature)$"
+    r"|secret|token|passw|access_key|credential|api_?key|signature",
+    re.IGNORECASE,
+)
+
+
+class CredentialsInURL(ValueError):
+    """A store URL carries credentials (user info, or a query parameter such as
+    ``secret``); the message names the URL without them and the variables to use."""
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether an option or query parameter called ``name`` holds a credential."""
+    return bool(_SECRET_NAME.search(str(name)))
+
+
+def refuse_credentials(url: str, *, what: str = "store URL") -> str:
+    """``url`` unchanged if it carries no credentials; else `CredentialsInURL`, one
+    line naming ``what`` (the field or option it came from) and the URL without
+    them. Plain paths are never URLs and pass."""
+    if not isinstance(url, str) or "://" not in url:
+        return url
+    found = _credentials_in(url)
+    if found:
+        raise CredentialsInURL(
+            f"{what} {_safe_url(url)}: credentials in a URL ({found}) would be stored "
+            f"with the run and shown; remove them and {USE_THE_ENVIRONMENT}"
+        )
+    return url
+
+
+def secret_options(options: Any, where: str = "storage_options") -> list[str]:
+    """The dotted names of the credentials in ``options`` (nested mappings such as
+    ``client_kwargs`` included): ``["storage_options.secret", ...]``."""
+    found: list[str] = []
+    if isinstance(options, dict):
+        for name, value in options.items():
+            path = f"{where}.{name}"
+            if isinstance(value, dict):
+                found += secret_options(value, path)
+            elif is_secret_name(name) and value not in (None, "", False):
+                found.append(path)
+    return found
+
+
+def _credentials_in(url: str) -> str:
+    """What in ``url`` is a credential ("" if nothing): its user info (the first
+    path segment holding an '@', or a ':' with an '@' later: a secret may contain
+    '/'), or a query parameter with a credential's name."""
+    rest = url.split("://", 1)[1]
+    rest, _, query = rest.partition("?")
+    first = rest.split("/", 1)[0]
+    if "@" in first or (":" in first and "@" in rest):
+        return "user:password@ before the bucket"
+    names = [name for name, _ in parse_qsl(query, keep_blank_values=True) if is_secret_name(name)]
+    if names:
+        return "query parameter " + ", ".join(repr(n) for n in names)
+    return ""
+
+
+def _safe_url(url: str) -> str:
+    """``url`` without user info or query, for messages."""
+    scheme, _, rest = url.partition("://")
+    rest = rest.split("?", 1)[0]
+    first = rest.split("/", 1)[0]
+    if "@" in first:
+        rest = rest[first.rindex("@") + 1:]
+    elif ":" in first and "@" in rest:  # a secret with a '/' in it
+        rest = rest.split("@", 1)[1]
+    return f"{scheme}://{rest}"
 
 
 def validate_key(key: str, *, what: str = "key") -> str:
@@ -116,30 +198,9 @@ def is_precondition_failed(exc: BaseException) -> bool:
     return False
 
 
-def _split_credentials(url: str) -> tuple[str, str | None, str | None]:
-    """``s3://KEY:SECRET@bucket/p`` -> (``s3://bucket/p``, KEY, SECRET)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url, None, None
-    netloc, slash, path = rest.partition("/")
-    userinfo, at, host = netloc.rpartition("@")
-    if not at:
-        return url, None, None
-    key, colon, secret = userinfo.partition(":")
-    return (
-        f"{scheme}://{host}{slash}{path}",
-        unquote(key) or None,
-        unquote(secret) if colon else None,
-    )
-
-
-def _strip_credentials(url: str) -> str:
-    return _split_credentials(url)[0]
-
-
 def _clean_url(url: str) -> str:
-    """Without credentials or trailing slashes (``memory://`` stays as it is)."""
-    url = _strip_credentials(url)
+    """Without trailing slashes (``memory://`` stays as it is); credentials were
+    refused before."""
     scheme, sep, rest = url.partition("://")
     if sep:
         return f"{scheme}://{rest.rstrip('/')}"
@@ -152,7 +213,7 @@ def _scheme_of(url: str) -> str:
     scheme = url.split("://", 1)[0].lower()
     if scheme not in SCHEMES:
         raise ValueError(
-            f"unsupported store URL {_strip_credentials(url)!r}: scheme {scheme!r} is not "
+            f"unsupported store URL {_safe_url(url)!r}: scheme {scheme!r} is not "
             f"one of {', '.join(s + '://' for s in SCHEMES)} (or a plain local path)"
         )
     return scheme

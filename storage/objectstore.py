@@ -117,6 +117,31 @@ class ObjectStore:
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r}, name={self.name!r})"
 
+    @property
+    def bucket(self) -> str | None:
+        """The S3 bucket this store is in (None for file:// and memory://)."""
+        return self._root.split("/", 1)[0] if self._kind == "s3" else None
+
+    def bucket_exists(self) -> bool:
+        """False only if the store's S3 bucket is known not to exist (one HEAD of
+        the bucket; a missing bucket otherwise shows up as missing keys, and only
+        fails at the first write). True for the other backends, and when the
+        credentials may not HEAD the bucket (a role limited to a prefix): then the
+        first write says what is wrong."""
+        if self._kind != "s3":
+            return True
+
+        def head(_attempt: int) -> bool:
+            try:
+                self._fs.call_s3("head_bucket", Bucket=self.bucket)
+            except FileNotFoundError:
+                return False
+            except PermissionError:
+                return True
+            return True
+
+        return self._run("head_bucket", "", head)
+
     # -- single objects -----------------------------------------------------------
 
     def put(self, key: str, data: bytes) -> None:

@@ -19,6 +19,7 @@ import pytest
 from botocore.exceptions import ClientError
 from tenacity import RetryCallState, Retrying
 
+from storage.backends import CredentialsInURL, secret_options
 from storage.errors import ObjectMissing, TransientStoreError
 from storage.objectstore import ObjectStore, RetryPolicy
 from storage.retry import is_transient
@@ -214,10 +215,51 @@ def test_plain_path_is_a_file_store(tmp_path: Path):
     assert store.full_url("k/v") == f"{tmp_path}/plain/k/v"
 
 
-def test_credentials_never_appear_in_the_url():
-    store = ObjectStore("s3://AKIAEXAMPLE:supersecret@bucket/prefix")
-    assert store.url == "s3://bucket/prefix"
-    assert "supersecret" not in repr(store)
+@pytest.mark.parametrize("url", [
+    "s3://AKIAEXAMPLE:supersecret@bucket/prefix",
+    "s3://AKIAEXAMPLE:super/secret@bucket/prefix",  # a secret with a '/' in it
+    "s3://AKIAEXAMPLE@bucket/prefix",
+    "s3://bucket/prefix?secret=supersecret",
+    "s3://bucket/prefix?X-Amz-Security-Token=supersecret",
+    "s3://bucket/prefix?aws_secret_access_key=supersecret&versionId=2",
+    "file://me:supersecret@/tmp/store",
+])
+def test_a_url_with_credentials_is_refused(url):
+    """Credentials come from the environment: a URL carrying them would be stored
+    with the run, put on command lines and printed. One line, naming the URL
+    without them and the variables to use."""
+    with pytest.raises(CredentialsInURL) as info:
+        ObjectStore(url)
+    message = str(info.value)
+    assert "\n" not in message and "supersecret" not in message and "AKIAEXAMPLE" not in message
+    assert "AWS_ACCESS_KEY_ID" in message and "AWS_SECRET_ACCESS_KEY" in message
+    assert "AWS_ENDPOINT_URL_S3" in message
+
+
+def test_paths_and_harmless_urls_are_not_credentials(tmp_path: Path):
+    assert ObjectStore("s3://bucket/runs/user@host/r1").url == "s3://bucket/runs/user@host/r1"
+    plain = tmp_path / "me@host"
+    ObjectStore(str(plain)).put("k", b"1")
+    assert (plain / "k").read_bytes() == b"1"
+
+
+@pytest.mark.s3
+def test_bucket_exists(s3_endpoint, s3_bucket, tmp_path: Path):
+    _, options = s3_endpoint
+    assert ObjectStore(f"s3://{s3_bucket}/any", storage_options=options).bucket_exists()
+    missing = ObjectStore("s3://diloco-no-such-bucket-7f3a/runs", storage_options=options)
+    assert missing.bucket == "diloco-no-such-bucket-7f3a"
+    assert not missing.bucket_exists()
+    assert ObjectStore(str(tmp_path)).bucket_exists() and ObjectStore(str(tmp_path)).bucket is None
+
+
+def test_secret_options_are_found_where_they_hide():
+    options = {"key": "AKIA", "endpoint_url": "http://x", "anon": False, "token": None,
+               "client_kwargs": {"region_name": "eu", "aws_secret_access_key": "s"},
+               "config_kwargs": {"retries": {"mode": "standard"}}, "sse_kms_key_id": "k1"}
+    assert secret_options(options) == ["storage_options.key",
+                                       "storage_options.client_kwargs.aws_secret_access_key"]
+    assert secret_options({"endpoint_url": "http://x"}) == [] == secret_options(None)
 
 
 def test_file_temp_files_are_invisible_and_cleaned(tmp_path: Path):
