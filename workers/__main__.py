@@ -10,6 +10,14 @@
 A worker needs only the run's URL (and the bucket's credentials): its whole
 configuration is in the run manifest. On SIGTERM it saves a checkpoint and exits
 with status 143; started again with the same arguments, it resumes exactly.
+
+Credentials come from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+AWS_SESSION_TOKEN; AWS_ENDPOINT_URL_S3 for the endpoint), never from the command
+line, where every user of the machine sees them: a --run URL carrying credentials
+and a credential given as --storage-option are refused. Other storage options may
+also come as JSON in DILOCO_STORAGE_OPTIONS (what a launcher passes). Before
+anything is written, the store must answer, its bucket must exist, and (but for
+--create) a run must be there; else one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -28,13 +36,26 @@ import yaml
 EXIT_INTERRUPTED = 143
 
 
+class UsageError(Exception):
+    """A command line that cannot work; the message is the one line printed."""
+
+
 def _options(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    """``DILOCO_STORAGE_OPTIONS`` (JSON, from a launcher) updated by ``--storage-option``
+    items; a credential on the command line is refused."""
+    from storage.backends import USE_THE_ENVIRONMENT, secret_options  # noqa: PLC0415
+
+    out: dict[str, Any] = json.loads(os.environ.get("DILOCO_STORAGE_OPTIONS") or "{}")
     for item in items:
         if "=" not in item:
-            raise SystemExit(f"--storage-option {item!r}: expected key=value")
+            raise UsageError(f"--storage-option {item!r}: expected key=value")
         k, v = item.split("=", 1)
         out[k] = yaml.safe_load(v)
+        secrets = secret_options({k: out[k]}, "--storage-option")
+        if secrets:
+            name = secrets[0].removeprefix("--storage-option.")
+            raise UsageError(f"--storage-option {name}: a credential on the command line is "
+                             f"visible to every user of the machine (ps); {USE_THE_ENVIRONMENT}")
     return out
 
 
@@ -62,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    opts = _options(args.storage_option) or None
     try:
+        opts = _options(args.storage_option) or None
+        _check_store(args, opts)
         if args.create:
             return _create(args, opts)
         if args.aggregate:
@@ -71,11 +93,36 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args, opts)
     except KeyboardInterrupt:
         return 130
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # a message a user can act on, not a traceback
         if args.log_level == "DEBUG":
             raise
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+
+
+def _check_store(args: argparse.Namespace, opts: dict | None) -> None:
+    """Before anything is written: no credentials in --run, a store that answers, a
+    bucket that exists, and (to train or aggregate) a run at --run."""
+    from storage.backends import CredentialsInURL, refuse_credentials  # noqa: PLC0415
+    from workers.locate import (  # noqa: PLC0415
+        RunNotFound,
+        StoreUnreachable,
+        is_url,
+        open_run,
+        reach_store,
+    )
+
+    try:
+        refuse_credentials(args.run, what="--run")
+        if args.create or (is_url(args.run) and not args.run.startswith("file://")):
+            reach_store(args.run, opts, what="--run")  # a local one: makes the folder
+        if not args.create:
+            open_run(args.run, opts)
+    except (CredentialsInURL, StoreUnreachable, RunNotFound) as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _create(args: argparse.Namespace, opts: dict | None) -> int:
@@ -97,9 +144,9 @@ def _aggregate(args: argparse.Namespace, opts: dict | None) -> int:
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    ex = open_exchange(ObjectStore(args.run, storage_options=opts))  # a run, or nothing written
     board = StatusBoard(ObjectStore(args.run, storage_options=opts, name="status"), "aggregator")
     board.register()
-    ex = open_exchange(ObjectStore(args.run, storage_options=opts))
     total = sum(ex.manifest.rounds)
 
     def on_round(report) -> None:

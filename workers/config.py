@@ -13,10 +13,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from diloco.config import SyncConfig
 from diloco.strict import names_unknown_fields
+from storage.backends import refuse_credentials
 from workers.model import PRESETS, ModelConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -72,6 +80,16 @@ class DataConfig(_Strict):
     seq_len: int = Field(default=128, ge=2)
     batch_size: int = Field(default=16, ge=1, description="sequences per inner step per worker")
 
+    @field_validator("dataset")
+    @classmethod
+    def _no_credentials(cls, url: str | None) -> str | None:
+        return _url_without_credentials(url)
+
+    @field_validator("sources")
+    @classmethod
+    def _no_credentials_in_sources(cls, sources: list[str]) -> list[str]:
+        return [_url_without_credentials(s) for s in sources]
+
 
 class OptimConfig(_Strict):
     """The inner optimizer: AdamW with linear warmup then cosine decay."""
@@ -124,6 +142,11 @@ class RunConfig(_Strict):
         description="the run whose canonical model this run starts from (a continuation)",
     )
 
+    @field_validator("store", "parent_run")
+    @classmethod
+    def _no_credentials(cls, url: str | None) -> str | None:
+        return _url_without_credentials(url)
+
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         if not self.workers:
@@ -144,6 +167,12 @@ class RunConfig(_Strict):
 
     def dataset_url(self, run_url: str) -> str:
         return self.data.dataset or f"{run_url.rstrip('/')}/data"
+
+
+def _url_without_credentials(url: str | None) -> str | None:
+    """The whole config is stored in the run manifest, MLflow and Prefect: a URL
+    in it must not carry credentials (they come from the environment)."""
+    return url if url is None else refuse_credentials(url, what="URL")
 
 
 class ConfigError(ValueError):
@@ -217,4 +246,6 @@ def load_config(
             loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
             msg = err["msg"].removeprefix("Value error, ")
             lines.append(f"  {loc}: {msg}")
+        if len(lines) == 1:  # one line, as every error the command prints
+            raise ConfigError(f"{where}: invalid configuration: {lines[0].strip()}") from None
         raise ConfigError(f"{where}: invalid configuration\n" + "\n".join(lines)) from None

@@ -6,8 +6,9 @@ tiny-20260101-120000`` finds ``runs/tiny-20260101-120000``. Local paths are made
 absolute, because the jobs of a run may start in another working directory.
 
 Before launching anything, the store is reached with a short retry policy: an
-unreachable store fails in seconds, with its URL in the message, instead of
-after every worker has started.
+unreachable store, or an S3 bucket that does not exist, fails in seconds, with its
+URL in the message, instead of after every worker has started. A URL carrying
+credentials is refused here too (`storage.backends.refuse_credentials`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 
 from diloco.run import open_exchange
+from storage.backends import refuse_credentials
 from storage.errors import ManifestInvalid
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore, RetryPolicy
@@ -35,6 +37,10 @@ class RunNotFound(Exception):
 
 class StoreUnreachable(Exception):
     """The store cannot be read or written."""
+
+
+class BucketMissing(StoreUnreachable):
+    """The store's S3 bucket does not exist; the message says how to create it."""
 
 
 def is_url(ref: str) -> bool:
@@ -73,7 +79,7 @@ def _taken(url: str, storage_options: dict | None) -> bool:
 def resolve_run(ref: str, store: str = DEFAULT_STORE) -> str:
     """The URL of the run ``ref``: a URL, a path, or a run name under ``store``."""
     if is_url(ref):
-        return ref
+        return refuse_credentials(ref, what="run")
     path = Path(ref).expanduser()
     if path.is_dir():
         return str(path.resolve())
@@ -99,9 +105,12 @@ def open_run(run_url: str, storage_options: dict | None = None) -> Exchange:
         raise
 
 
-def reach_store(url: str, storage_options: dict | None = None) -> None:
+def reach_store(url: str, storage_options: dict | None = None, *,
+                what: str = "store URL") -> None:
     """Raise StoreUnreachable unless the store at ``url`` answers (a local folder:
-    unless it can be created and written)."""
+    unless it can be created and written; S3: unless its bucket exists), and
+    `CredentialsInURL` (naming ``what``) if the URL carries credentials."""
+    refuse_credentials(url, what=what)
     if not is_url(url) or url.startswith("file://"):
         path = Path(url.removeprefix("file://")).expanduser().resolve()
         try:
@@ -116,12 +125,23 @@ def reach_store(url: str, storage_options: dict | None = None) -> None:
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # the retries' warnings; the error below says it all
     try:
-        ObjectStore(url, storage_options=storage_options, retry=REACH_POLICY,
-                    name="probe").exists("run.json")
+        store = ObjectStore(url, storage_options=storage_options, retry=REACH_POLICY,
+                            name="probe")
+        store.exists("run.json")
+        found = store.bucket_exists()
     except Exception as exc:  # noqa: BLE001 - StoreError, OSError, botocore's credential errors
         raise StoreUnreachable(f"cannot reach the store {_safe(url)}: {_reason(exc)}") from exc
     finally:
         quiet.setLevel(level)
+    if not found:
+        options = storage_options or {}
+        endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get(
+            "endpoint_url")
+        where = f"--endpoint {endpoint} " if endpoint else ""
+        raise BucketMissing(
+            f"the bucket {store.bucket!r} of {_safe(url)} does not exist; create it with: "
+            f"python -m infra.bucket {where}create --bucket {store.bucket}  (from the "
+            f"repository root, with the same AWS_* environment), or fix the store URL")
 
 
 def _safe(url: str) -> str:
