@@ -156,6 +156,20 @@ def _safe_url(url: str) -> str:
     return f"{scheme}://{rest}"
 
 
+def bucket_found(fs: fsspec.AbstractFileSystem, bucket: str) -> bool:
+    """One HEAD of an S3 bucket: False if it does not exist (else a missing bucket
+    shows up as missing keys, and fails only at the first write). True when the
+    credentials may not HEAD it (a role limited to a prefix): then the first write
+    says what is wrong."""
+    try:
+        fs.call_s3("head_bucket", Bucket=bucket)
+    except FileNotFoundError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def validate_key(key: str, *, what: str = "key") -> str:
     """Reject keys that could escape the store root or be misread by fsspec.
 

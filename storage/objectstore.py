@@ -44,6 +44,7 @@ from tenacity import RetryCallState
 from storage.backends import (
     MEMORY_LOCK,
     TMP_MARK,
+    bucket_found,
     file_temp,
     is_precondition_failed,
     open_backend,
@@ -119,28 +120,15 @@ class ObjectStore:
 
     @property
     def bucket(self) -> str | None:
-        """The S3 bucket this store is in (None for file:// and memory://)."""
+        """The S3 bucket of this store (None for file:// and memory://)."""
         return self._root.split("/", 1)[0] if self._kind == "s3" else None
 
     def bucket_exists(self) -> bool:
-        """False only if the store's S3 bucket is known not to exist (one HEAD of
-        the bucket; a missing bucket otherwise shows up as missing keys, and only
-        fails at the first write). True for the other backends, and when the
-        credentials may not HEAD the bucket (a role limited to a prefix): then the
-        first write says what is wrong."""
+        """False only if the store's S3 bucket is known not to exist (True for the
+        other backends); see `storage.backends.bucket_found`."""
         if self._kind != "s3":
             return True
-
-        def head(_attempt: int) -> bool:
-            try:
-                self._fs.call_s3("head_bucket", Bucket=self.bucket)
-            except FileNotFoundError:
-                return False
-            except PermissionError:
-                return True
-            return True
-
-        return self._run("head_bucket", "", head)
+        return self._run("head_bucket", "", lambda _attempt: bucket_found(self._fs, self.bucket))
 
     # -- single objects -----------------------------------------------------------
 
