@@ -33,15 +33,20 @@ from prefect.exceptions import MissingContextError
 from prefect.states import Cancelled
 
 from diloco.aggregator import Aggregator, RoundReport, Stall
-from diloco.run import open_exchange, plan_for
+from diloco.run import plan_for
+from flows import launcher_gone
 from flows.control import CancelWatch, ParentWatch, cancel_request
 from flows.jobs import (
     EXIT_CODES,
+    EXIT_USAGE,
     close_hooks,
     job_hooks,
+    open_job_run,
     print_result,
+    refuse_secret_parameters,
     set_state,
     stop_on_signals,
+    usage_errors,
 )
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
@@ -103,9 +108,9 @@ def run_aggregator_job(
 ) -> dict[str, Any]:
     """Aggregate the run at ``run_url`` until every round is reduced or it is
     stopped; returns ``{"state", "rounds", "total_rounds", "rejected", "eval_loss"}``."""
+    exchange = open_job_run(run_url, storage_options)  # before anything is written
     stop = stop or threading.Event()
     hooks = hooks or job_hooks(run_url, NAME, storage_options)
-    exchange = open_exchange(ObjectStore(run_url, storage_options=storage_options))
     status_store = ObjectStore(run_url, storage_options=storage_options, name="aggregator-status")
     board = StatusBoard(status_store, NAME)
     manifest = exchange.manifest
@@ -246,6 +251,7 @@ def prefect_log(message: str) -> None:
 def aggregator(run_url: str, storage_options: dict | None = None, evaluate: bool = True):
     """The run's aggregator: reduces every round and steps the canonical model;
     restartable at any moment (it resumes from the store)."""
+    refuse_secret_parameters(storage_options)
     out = run_aggregator_job(run_url, storage_options, evaluate=evaluate)
     if out["state"] != "finished":
         return Cancelled(message=f"aggregator {out['state']} after {out['rounds']} of "
@@ -264,10 +270,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    if args.exit_with_parent and launcher_gone():
+        log.warning("aggregator: the launcher died while this job started; exiting")
+        return EXIT_CODES["interrupted"]
     options = json.loads(os.environ.get("DILOCO_STORAGE_OPTIONS") or "null")
     try:
         out = run_aggregator_job(args.run, options, evaluate=not args.no_eval,
                                  exit_with_parent=args.exit_with_parent)
+    except usage_errors() as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 - one line a user can act on
         if args.log_level == "DEBUG":
             raise

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from flows import LAUNCHER_PID
 from storage.errors import ObjectMissing, StoreError
 from storage.objectstore import ObjectStore
 
@@ -160,11 +161,17 @@ class CancelWatch(_Poller):
 
 
 class ParentWatch(_Poller):
-    """Calls ``on_orphaned()`` once if the process that started this one is gone."""
+    """Calls ``on_orphaned()`` once if the process that started this one is gone.
 
-    def __init__(self, on_orphaned: Callable[[], None], interval: float = 1.0):
+    The parent is the launcher's pid noted when the package was imported
+    (`flows.LAUNCHER_PID`, before the slow imports), else ``parent``, else this
+    process's parent now. The first check is made at `start`, not a second later.
+    """
+
+    def __init__(self, on_orphaned: Callable[[], None], interval: float = 1.0,
+                 parent: int | None = None):
         super().__init__("parent-watch", interval)
-        self.parent = os.getppid()
+        self.parent = parent or LAUNCHER_PID or os.getppid()
         self.on_orphaned = on_orphaned
 
     def check(self) -> bool:
@@ -173,3 +180,8 @@ class ParentWatch(_Poller):
         log.warning("the launcher (pid %d) is gone; stopping", self.parent)
         self.on_orphaned()
         return True
+
+    def start(self) -> _Poller:
+        if self.check():
+            return self
+        return super().start()

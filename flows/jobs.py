@@ -17,6 +17,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from storage.backends import (
+    USE_THE_ENVIRONMENT,
+    CredentialsInURL,
+    refuse_credentials,
+    secret_options,
+)
+from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
 from tracking.hooks import Hooks
 from tracking.mlflow_hooks import hooks_for
@@ -32,6 +39,39 @@ EXIT_STOPPED = 143  # interrupted or cancelled, checkpoint saved (128 + SIGTERM)
 
 EXIT_CODES = {"finished": EXIT_FINISHED, "interrupted": EXIT_STOPPED,
               "cancelled": EXIT_STOPPED, "failed": EXIT_FAILED}
+
+
+def usage_errors() -> tuple[type[Exception], ...]:
+    """Errors in what a job was given (exit status 2, one line): nothing was written.
+    (`workers.locate` imports torch: not at import time, which the command shares.)"""
+    from workers.locate import RunNotFound, StoreUnreachable  # noqa: PLC0415
+
+    return (CredentialsInURL, RunNotFound, StoreUnreachable)
+
+
+def open_job_run(run_url: str, storage_options: dict | None) -> Exchange:
+    """The run a job works on, opened before the job writes anything (a status, a
+    registration, MLflow runs): `CredentialsInURL` for a URL carrying credentials,
+    `BucketMissing` for an S3 bucket that does not exist, `RunNotFound` for a store
+    that holds no run there."""
+    from workers.locate import RunNotFound, open_run, reach_store  # noqa: PLC0415
+
+    refuse_credentials(run_url, what="run_url")
+    try:
+        return open_run(run_url, storage_options)
+    except RunNotFound:
+        if "://" in run_url and not run_url.startswith(("file://", "memory://")):
+            reach_store(run_url, storage_options, what="run_url")  # names a missing bucket
+        raise
+
+
+def refuse_secret_parameters(storage_options: dict | None) -> None:
+    """A flow's parameters are stored in Prefect's database (and shown in its UI):
+    ``storage_options`` given to a flow must hold no credential."""
+    found = secret_options(storage_options)
+    if found:
+        raise ValueError(f"{found[0]}: flow-run parameters are stored in Prefect's database; "
+                         f"remove it and, where the flow runs, {USE_THE_ENVIRONMENT}")
 
 
 def job_hooks(run_url: str, role: str, storage_options: dict | None) -> Hooks:

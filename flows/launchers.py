@@ -11,7 +11,8 @@
   retried parent never launches a job twice: the workers on ``worker/<worker>`` (the
   deployment in that region's work pool), the aggregator on ``aggregator/aggregator``.
   Stopping sets the flow runs to Cancelling, which Prefect does not do by itself
-  for `run_deployment` children of a cancelled parent.
+  for `run_deployment` children of a cancelled parent. Flow-run parameters land
+  in Prefect's database: credentials in ``storage_options`` are refused.
 
 Job states, as `poll` reports them: ``running``, ``finished``, ``stopped`` (ended
 after a stop request or a signal, checkpoint saved) and ``failed``.
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flows.jobs import EXIT_FINISHED, EXIT_STOPPED
+from storage.backends import USE_THE_ENVIRONMENT, refuse_credentials, secret_options
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +111,9 @@ class LocalLauncher:
     def start(self, run_url: str, name: str) -> None:
         cmd = self.command(run_url, name)
         path = self._logs_for(run_url) / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env,
+               # --exit-with-parent: the job checks this before its slow imports
+               "DILOCO_LAUNCHER_PID": str(os.getpid())}
         if self.storage_options:  # never on the command line, where ps shows it
             env["DILOCO_STORAGE_OPTIONS"] = json.dumps(self.storage_options)
         with open(path, "ab") as out:
@@ -194,7 +198,15 @@ _PREFECT_STATES = {
 
 
 class DeploymentLauncher:
-    """Jobs as flow runs of the worker deployment of each region's work pool."""
+    """Jobs as flow runs of the worker deployment of each region's work pool.
+
+    The parameters of a flow run are stored in Prefect's database and shown in its
+    UI, so ``storage_options`` holding a credential (key, secret, token, password,
+    ``aws_secret_access_key``..., nested ones such as ``client_kwargs`` included)
+    are refused here, before anything is launched: each work pool's machines have
+    their own credentials in their environment (the bucket policies give each
+    role its own). The other options (an endpoint, a region) are passed on.
+    """
 
     backend = "deployments"
 
@@ -202,6 +214,11 @@ class DeploymentLauncher:
                  aggregator_deployment: str = "aggregator/aggregator",
                  storage_options: dict | None = None, nproc: int | None = None,
                  evaluate: bool = True):
+        found = secret_options(storage_options)
+        if found:
+            raise LaunchError(f"{found[0]}: the deployments backend would store it in "
+                              f"Prefect's database with the flow-run parameters; remove it "
+                              f"and, on each work pool's machines, {USE_THE_ENVIRONMENT}")
         self.key = key
         self.worker_deployment = worker_deployment
         self.aggregator_deployment = aggregator_deployment
@@ -218,7 +235,7 @@ class DeploymentLauncher:
         return self.worker_deployment.format(worker=name)
 
     def parameters(self, run_url: str, name: str) -> dict[str, Any]:
-        params: dict[str, Any] = {"run_url": run_url}
+        params: dict[str, Any] = {"run_url": refuse_credentials(run_url, what="run_url")}
         if name == AGGREGATOR:
             if not self.evaluate:
                 params["evaluate"] = False

@@ -30,16 +30,20 @@ from typing import Any
 from prefect import flow
 from prefect.states import Cancelled
 
+from flows import launcher_gone
 from flows.control import CancelWatch, ParentWatch, cancel_request
 from flows.jobs import (
     EXIT_CODES,
     EXIT_USAGE,
     close_hooks,
     job_hooks,
+    open_job_run,
     print_result,
     record_not_logged,
+    refuse_secret_parameters,
     set_state,
     stop_on_signals,
+    usage_errors,
 )
 from storage.objectstore import ObjectStore
 from tracking.hooks import Hooks
@@ -75,6 +79,10 @@ def run_worker_job(
     run's cancel request). Raises if training fails (the status says ``failed``)."""
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
+    exchange = open_job_run(run_url, storage_options)  # before anything is written
+    if worker != "auto" and worker not in exchange.manifest.workers:
+        raise ValueError(f"worker {worker!r} is not one of the run's workers: "
+                         f"{', '.join(exchange.manifest.workers)}")
     stop = stop or threading.Event()
     hooks = hooks or job_hooks(run_url, f"worker:{worker}", storage_options)
     control = ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-control")
@@ -162,17 +170,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(run_url: str, worker: str, nproc: int,
-                     storage_options: dict | None = None) -> list[str]:
+def torchrun_command(run_url: str, worker: str, nproc: int) -> list[str]:
     """torchrun for an island of ``nproc`` processes on this machine (the ``--``
-    keeps torchrun from reading ``--run`` as its own ``--run-path``)."""
+    keeps torchrun from reading ``--run`` as its own ``--run-path``). The storage
+    options go by environment (``DILOCO_STORAGE_OPTIONS``), never on the command
+    line, where ``ps`` shows them."""
     torchrun = Path(sys.executable).parent / "torchrun"
     cmd = [str(torchrun) if torchrun.exists() else "torchrun", "--nnodes", "1",
            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "workers", "--",
            "--run", run_url, "--worker", worker]
-    for key, value in (storage_options or {}).items():
-        cmd += ["--storage-option", f"{key}={json.dumps(value)}"]
     return cmd
 
 
@@ -183,8 +190,11 @@ def _island(run_url: str, worker: str, storage_options: dict | None, nproc: int,
     and forwarded to the hooks."""
     store = ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-status")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.Popen(torchrun_command(run_url, worker, nproc, storage_options),
-                            env=env, start_new_session=True)
+    env.pop("DILOCO_STORAGE_OPTIONS", None)
+    if storage_options:
+        env["DILOCO_STORAGE_OPTIONS"] = json.dumps(storage_options)
+    proc = subprocess.Popen(torchrun_command(run_url, worker, nproc), env=env,
+                            start_new_session=True)
     hooks.worker_started(worker, {"host": socket.gethostname(), "pid": proc.pid,
                                   "island": nproc})
     last_step, stopping_since = -1, None
@@ -222,6 +232,7 @@ def _island(run_url: str, worker: str, storage_options: dict | None, nproc: int,
 def worker(run_url: str, worker: str, storage_options: dict | None = None, nproc: int = 1):
     """One worker of a run, in this work pool's region: trains to the end, resuming
     from its checkpoints; a cancelled flow run checkpoints before it stops."""
+    refuse_secret_parameters(storage_options)
     out = run_worker_job(run_url, worker, storage_options, nproc)
     if out["state"] != "finished":
         return Cancelled(message=f"worker {worker} {out['state']} after step "
@@ -257,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    if args.exit_with_parent and launcher_gone():
+        log.warning("worker %s: the launcher died while this job started; exiting",
+                    args.worker)
+        return EXIT_CODES["interrupted"]
     options = json.loads(os.environ.get("DILOCO_STORAGE_OPTIONS") or "null")
     stop = threading.Event()
     threading.Thread(target=exit_if_stuck, args=(stop, STOP_GRACE_S, args.worker),
@@ -264,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = run_worker_job(args.run, args.worker, options, args.nproc, stop=stop,
                              exit_with_parent=args.exit_with_parent)
-    except ValueError as exc:
+    except (ValueError, *usage_errors()) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 - one line a user can act on
