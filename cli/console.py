@@ -44,12 +44,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
     docstring for what that costs every command)."""
     from flows.deploy import DeployError  # noqa: PLC0415
     from flows.launchers import LaunchError  # noqa: PLC0415
+    from storage.backends import CredentialsInURL  # noqa: PLC0415
     from storage.errors import ManifestInvalid, RunExists  # noqa: PLC0415
     from workers.config import ConfigError  # noqa: PLC0415 - torch
     from workers.locate import RunNotFound, StoreUnreachable  # noqa: PLC0415 - torch
 
     return (ConfigError, RunNotFound, StoreUnreachable, RunExists, ManifestInvalid, DataError,
-            DeployError, LaunchError)
+            DeployError, LaunchError, CredentialsInURL)
 
 
 def quiet_logs(verbose: bool) -> None:

@@ -31,6 +31,7 @@ from cli.console import (
 from cli.progress import LiveProgress, print_report
 from flows.cancel import live_local_jobs
 from flows.control import cancel_request, clear_cancel, read_launcher
+from storage.backends import refuse_credentials
 from storage.errors import StoreError
 from workers.report import build_report, snapshot
 from workers.status import read_status
@@ -41,6 +42,7 @@ def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: 
     """Run the train flow with a live display, then print the figures."""
     quiet_logs(verbose)
     # Prefect and torch: imported here, after quiet_logs (see the package docstring).
+    from flows.server import tie_temporary_server  # noqa: PLC0415
     from flows.train import train  # noqa: PLC0415
     from workers.locate import open_run  # noqa: PLC0415
 
@@ -52,6 +54,7 @@ def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: 
     state = None
     try:
         with live:
+            tie_temporary_server()  # Prefect's, when there is no PREFECT_API_URL: dies with us
             state = train(run_url=run_url, resume=resume, storage_options=storage_options,
                           return_state=True, **flow_kwargs)
     except KeyboardInterrupt:
@@ -132,6 +135,9 @@ def run(
     from workers.runs import continuation, ensure_dataset  # noqa: PLC0415
 
     try:
+        for value, what in ((run_url, "--run-url"), (continue_from, "--continue-from")):
+            if value:
+                refuse_credentials(value, what=what)
         if continue_from:
             parent = resolve_run(continue_from)
             cfg = continuation(parent, overrides, extra_steps)
@@ -139,7 +145,8 @@ def run(
             if extra_steps is not None:
                 raise fail("--extra-steps goes with --continue-from; use --set train.steps=N")
             cfg = load_config(config, overrides)
-        reach_store(absolute(run_url) if run_url else cfg.store)
+        reach_store(absolute(run_url) if run_url else cfg.store,
+                    what="--run-url" if run_url else "store")
         url = absolute(run_url) if run_url else new_run_url(cfg)
         if _exists(url):
             raise fail(f"a run already exists at {url}; continue it with: diloco resume "

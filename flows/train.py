@@ -35,8 +35,9 @@ from prefect import flow
 from prefect.states import Cancelled
 
 from flows.control import cancel_request, clear_cancel, request_cancel, write_launcher
-from flows.jobs import close_hooks, job_hooks, record_not_logged
+from flows.jobs import close_hooks, job_hooks, record_not_logged, refuse_secret_parameters
 from flows.launchers import AGGREGATOR, DeploymentLauncher, Launcher, LocalLauncher
+from storage.backends import refuse_credentials
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
 from tracking.hooks import Hooks
@@ -80,10 +81,10 @@ def run_train(
     or cancelled). Raises JobFailed if a job failed (after ``restarts`` relaunches
     of a failed job), ConfigError, StoreUnreachable or RunExists before launching."""
     start = time.monotonic()
-    run_url = absolute(run_url)
+    run_url = absolute(refuse_credentials(run_url, what="run_url"))
     if config is None and not resume:
         raise ConfigError("a config is needed to create a run")
-    reach_store(run_url, storage_options)
+    reach_store(run_url, storage_options, what="run_url")
     store = ObjectStore(run_url, storage_options=storage_options, name="train")
     if resume:
         exchange = open_run(run_url, storage_options)
@@ -295,6 +296,13 @@ def train(
     """
     from prefect.runtime import flow_run  # noqa: PLC0415
 
+    # Before anything: these are stored in Prefect's database, shown in its UI and
+    # passed to every job. (The parameters of this flow run are stored already:
+    # `diloco run` makes the same checks before it calls this flow.)
+    for value, what in ((run_url, "run_url"), (resume_run, "resume_run")):
+        if value:
+            refuse_credentials(value, what=what)
+    refuse_secret_parameters(storage_options)
     if resume_run:
         if resume_run == "latest":
             base = load_config(config, overrides)

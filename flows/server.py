@@ -1,0 +1,95 @@
+"""Prefect's temporary server, tied to the life of the process that needs it.
+
+Without ``PREFECT_API_URL``, Prefect starts a temporary API server the first time a
+client is needed (`prefect.server.api.server.SubprocessASGIServer`: ``python -m
+uvicorn ... prefect.server.api.server:create_app`` as a plain child process) and
+stops it from an ``atexit`` hook. A launcher killed with SIGKILL runs no hook, so
+the server ran on, orphaned. `tie_temporary_server` starts that same server
+earlier, from the main thread, with the kernel's parent-death signal set in the
+child (Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, in ``preexec_fn``): whatever
+ends this process, the server gets SIGTERM. It is registered as Prefect's default
+instance (as Prefect's own test utilities do), so every client of this process
+uses it, and Prefect's ``atexit`` stop still runs on a normal exit.
+
+The parent-death signal is sent when the *thread* that started the child ends,
+hence the main thread only; elsewhere (or off Linux) Prefect starts its server as
+it always does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+
+
+def _death_signal_preexec(parent: int):
+    """A ``preexec_fn`` that asks the kernel to SIGTERM the child when ``parent``
+    dies, and ends the child at once if ``parent`` is already gone. libc is looked
+    up here, before the fork: the child only calls it."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # died between fork and prctl
+            os._exit(1)
+
+    return preexec
+
+
+class _WithDeathSignal:
+    """The ``subprocess`` module as Prefect's server module sees it while it starts
+    the server: `Popen` with the parent-death signal, everything else unchanged."""
+
+    def __init__(self, preexec: Any):
+        self._preexec = preexec
+
+    def Popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 - the module's name
+        kwargs.setdefault("preexec_fn", self._preexec)
+        return subprocess.Popen(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+
+def tie_temporary_server() -> bool:
+    """Start Prefect's temporary server now, so that it dies with this process; True
+    if this call started it. Nothing to do when ``PREFECT_API_URL`` names a server,
+    when one is already running, off Linux, or outside the main thread."""
+    from prefect.settings import PREFECT_API_URL  # noqa: PLC0415
+
+    if PREFECT_API_URL.value() or not sys.platform.startswith("linux"):
+        return False
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    import prefect.server.api.server as server_module  # noqa: PLC0415
+
+    base = server_module.SubprocessASGIServer
+    current = base._instances.get(None)
+    if current is not None and current.running:
+        return False
+
+    class TiedServer(base):  # type: ignore[misc, valid-type]
+        def _run_uvicorn_command(self) -> subprocess.Popen:
+            real = server_module.subprocess
+            server_module.subprocess = _WithDeathSignal(_death_signal_preexec(os.getpid()))
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                server_module.subprocess = real
+
+    base._instances.pop(None, None)
+    server = TiedServer()  # registered as Prefect's default instance (port None)
+    server.start()
+    log.info("Prefect's temporary server: %s (pid %d), stopped with this process",
+             server.api_url, server.server_process.pid if server.server_process else -1)
+    return True
