@@ -1,0 +1,267 @@
+"""Start-up, the way a user meets it: what the commands and the job entry points
+check before anything is launched or written (a missing bucket, a folder that
+holds no run), each a one-line error with exit status 2; and no process outlives
+the command that started it (a job whose launcher died during its imports, the
+jobs and Prefect's temporary server of a `diloco run` killed with SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import suppress
+from pathlib import Path
+
+import pytest
+
+from workers.config import load_config
+from workers.data.prepare import prepare_data
+from workers.runs import create_run
+
+BIN = Path(sys.executable).parent
+DILOCO = str(BIN / "diloco")
+ROOT = Path(__file__).resolve().parent.parent
+
+MICRO = [
+    "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
+    "data.seq_len=32", "data.batch_size=8", "optim.warmup_steps=4", "optim.lr=0.01",
+    "train.eval_every=0", "train.eval_batches=2", "train.threads=1", "sync.sync_every=8",
+    "sync.fragments=2", "sync.overlap=1", "train.checkpoint_every=8",
+]
+SHORT = [a for item in MICRO for a in ("--set", item)]
+
+
+def clean_env(home: Path, **extra: str) -> dict[str, str]:
+    """No Prefect server configured (the embedded default), a PREFECT_HOME of our own."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PREFECT_", "MLFLOW_", "DILOCO_", "AWS_"))}
+    env.update(PREFECT_HOME=str(home / "prefect-home"), COLUMNS="120", PYTHONPATH=str(ROOT),
+               **extra)
+    return env
+
+
+def error_line(stderr: str) -> str:
+    """The one error line of a refusal (log lines before it are allowed, a traceback
+    or a second error line are not)."""
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, stderr
+    assert stderr.rstrip().endswith(errors[0]), stderr  # nothing after it
+    return errors[0]
+
+
+def tree(path: Path) -> list[str] | None:
+    """Every file and folder under ``path`` (None if it does not exist)."""
+    if not path.exists():
+        return None
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")  # a zombie is dead: it only waits to be reaped
+    try:
+        return not stat.read_text().split(") ", 1)[1].startswith("Z")
+    except (OSError, IndexError):
+        return False
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """The processes under ``pid`` now: {pid: command line}."""
+    children: dict[int, list[int]] = {}
+    commands: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(") ", 1)[1].split()[1])
+            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(
+                b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = commands.get(child, "")
+            todo.append(child)
+    return found
+
+
+def wait_gone(pids: list[int], timeout: float) -> float:
+    """Seconds until every pid has ended; fails after ``timeout``."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if not any(alive(p) for p in pids):
+            return time.monotonic() - start
+        time.sleep(0.2)
+    left = [p for p in pids if alive(p)]
+    raise AssertionError(f"still running {timeout:.0f} s later: {left}")
+
+
+def kill_all(pids) -> None:
+    for pid in pids:  # only processes this test started (its launcher's descendants)
+        with suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def data_url(tmp_path_factory) -> str:
+    url = str(tmp_path_factory.mktemp("data") / "shakespeare")
+    prepare_data(["builtin:shakespeare/tragedies/*"], url, max_bytes=200_000)
+    return url
+
+
+def run_py(args: list[str], env: dict[str, str], timeout: float = 120):
+    return subprocess.run([sys.executable, *args], env=env, text=True, capture_output=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+# -- a missing bucket ---------------------------------------------------------------------
+
+
+@pytest.mark.s3
+def test_a_missing_bucket_is_named_before_anything_starts(s3_env, data_url, tmp_path):
+    """`diloco run` into a bucket that does not exist: one line naming the bucket and
+    the command that creates it, exit 2, in seconds, and nothing started or written
+    (it used to start the flow and fail 33 s later with 60 lines of traceback)."""
+    bucket = f"diloco-missing-{uuid.uuid4().hex[:12]}"
+    env = clean_env(tmp_path, **s3_env)
+    start = time.monotonic()
+    out = subprocess.run([DILOCO, "run", *SHORT, "--set", "train.steps=16", "--set",
+                          f"data.dataset={data_url}", "--set", f"store=s3://{bucket}/runs"],
+                         cwd=tmp_path, env=env, text=True, capture_output=True, timeout=300)
+    took = time.monotonic() - start
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    line = error_line(out.stderr)
+    assert f"the bucket '{bucket}'" in line, line
+    assert f"python -m infra.bucket create --bucket {bucket}" in line, line
+    assert tree(tmp_path) == [], "something was written"
+    assert took < 30, f"took {took:.1f} s"
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("command", ["resume", "workers-aggregate", "workers-worker"])
+def test_every_entry_point_names_a_missing_bucket(s3_env, tmp_path, command):
+    bucket = f"diloco-missing-{uuid.uuid4().hex[:12]}"
+    url = f"s3://{bucket}/runs/tiny-20260101-120000"
+    env = clean_env(tmp_path, DILOCO_TRACKING="off", **s3_env)
+    if command == "resume":
+        out = subprocess.run([DILOCO, "resume", url], cwd=tmp_path, env=env, text=True,
+                             capture_output=True, timeout=120)
+    else:
+        role = ["--aggregate"] if command == "workers-aggregate" else ["--worker", "region-a"]
+        out = run_py(["-m", "workers", "--run", url, *role], env)
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    line = error_line(out.stderr)
+    assert f"python -m infra.bucket create --bucket {bucket}" in line, line
+    assert tree(tmp_path) == []
+
+
+# -- a folder that holds no run ---------------------------------------------------------
+
+
+AGGREGATE = ["-m", "workers", "--aggregate"]
+
+
+@pytest.mark.parametrize("entry, folder", [
+    (AGGREGATE, "empty"), (AGGREGATE, "other-files"), (AGGREGATE, "absent"),
+    (["-m", "workers", "--worker", "region-a"], "other-files"),
+    (["-m", "flows.aggregator"], "other-files"),
+    (["-m", "flows.worker", "--worker", "region-a"], "other-files"),
+], ids=["workers-aggregate-empty", "workers-aggregate-other-files", "workers-aggregate-absent",
+        "workers-worker", "flows-aggregator", "flows-worker"])
+def test_a_folder_that_is_not_a_run_is_left_as_it_was(tmp_path, entry, folder):
+    """A job pointed at a folder that holds no run writes nothing there (the
+    aggregator used to register members/aggregator.json first): one line, exit 2."""
+    where = tmp_path / "not-a-run"
+    if folder != "absent":
+        where.mkdir()
+    if folder == "other-files":
+        (where / "notes.txt").write_text("my notes\n")
+    before = tree(where)
+    out = run_py([entry[0], entry[1], "--run", str(where), *entry[2:]],
+                 clean_env(tmp_path, DILOCO_TRACKING="off"))
+    assert tree(where) == before, out.stderr[-3000:]
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"no run at {where}" in error_line(out.stderr)
+
+
+# -- no process outlives its launcher ------------------------------------------------------
+
+
+@pytest.mark.parametrize("after", [0.0, 1.0], ids=["before-it-starts", "during-its-imports"])
+def test_a_job_whose_launcher_died_during_its_imports_exits(data_url, tmp_path, after):
+    """A launcher killed (SIGKILL) right after it started the aggregator job, or a
+    second later while the job still imports Prefect and torch: the job exits on its
+    own instead of aggregating on with parent pid 1 (it used to note its parent
+    only after the imports, by then init)."""
+    cfg = load_config("tiny", [*MICRO, "train.steps=16", f"data.dataset={data_url}",
+                               f"store={tmp_path}"])
+    url = str(tmp_path / "run")
+    create_run(cfg, url)
+    launcher_code = (
+        "import sys, time\n"
+        "from flows.launchers import LocalLauncher\n"
+        f"launcher = LocalLauncher(evaluate=False, log_dir={str(tmp_path / 'logs')!r})\n"
+        f"launcher.start({url!r}, 'aggregator')\n"
+        "print(launcher.procs['aggregator'].pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = clean_env(tmp_path, DILOCO_TRACKING="off")
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], env=env, cwd=ROOT,
+                                stdout=subprocess.PIPE, text=True)
+    job = None
+    try:
+        job = int(launcher.stdout.readline())
+        time.sleep(after)
+        launcher.kill()
+        launcher.wait()
+        took = wait_gone([job], timeout=60)
+    finally:
+        launcher.kill()
+        if job is not None:
+            kill_all([job])
+    log = (tmp_path / "logs" / "aggregator.log").read_text()
+    print(f"the orphaned aggregator job exited {took:.1f} s after its launcher died: "
+          f"{log.strip().splitlines()[-1] if log.strip() else ''}")
+    assert "launcher" in log, log[-2000:]
+
+
+@pytest.mark.slow
+def test_a_killed_diloco_run_leaves_no_process(tmp_path, data_url):
+    """`diloco run` killed with SIGKILL while its jobs start: the jobs and Prefect's
+    temporary server it started are gone within a bounded time (the server used to
+    run on, orphaned)."""
+    env = clean_env(tmp_path, DILOCO_TRACKING="off")
+    proc = subprocess.Popen([DILOCO, "run", *SHORT, "--set", "train.steps=400", "--set",
+                             f"data.dataset={data_url}"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            seen.update(descendants(proc.pid))
+            server = [p for p, c in seen.items() if "uvicorn" in c and "prefect" in c]
+            jobs = [p for p, c in seen.items() if "flows.worker" in c or "flows.aggregator" in c]
+            if server and len(jobs) == 3:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert server and len(jobs) == 3, seen
+        proc.kill()
+        proc.wait()
+        killed = time.monotonic()
+        server_took = wait_gone(server, timeout=30)
+        jobs_took = wait_gone(jobs, timeout=90)
+    finally:
+        proc.kill()
+        kill_all(seen)
+    print(f"after SIGKILL of diloco run: the server was gone in {server_took:.1f} s, the jobs "
+          f"in {jobs_took:.1f} s ({time.monotonic() - killed:.1f} s in all)")
