@@ -6,8 +6,8 @@ uvicorn ... prefect.server.api.server:create_app`` as a plain child process) and
 stops it from an ``atexit`` hook. A launcher killed with SIGKILL runs no hook, so
 the server ran on, orphaned. `tie_temporary_server` starts that same server
 earlier, from the main thread, with the kernel's parent-death signal set in the
-child (Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, in ``preexec_fn``): whatever
-ends this process, the server gets SIGTERM. It is registered as Prefect's default
+child (Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, see `_BOOT`): whatever ends
+this process, the server gets SIGTERM. It is registered as Prefect's default
 instance (as Prefect's own test utilities do), so every client of this process
 uses it, and Prefect's ``atexit`` stop still runs on a normal exit.
 
@@ -32,15 +32,29 @@ log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
 
 
+#: The server's command, ``python -m uvicorn ARGS``, becomes ``python -c BOOT PID
+#: ARGS``: the new process asks for the parent-death signal itself, exits if its
+#: launcher (PID) died before that, then runs uvicorn as ``-m`` would. No Python code
+#: runs between fork and exec (a ``preexec_fn`` would, which is unsafe while other
+#: threads run: the live progress display has one).
+_BOOT = (
+    "import ctypes, os, runpy, signal, sys\n"
+    f"ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)\n"
+    "sys.argv = ['uvicorn', *sys.argv[2:]]\n"
+    "runpy.run_module('uvicorn', run_name='__main__', alter_sys=True)\n"
+)
+
+
 def _death_signal_preexec(parent: int):
-    """A ``preexec_fn`` that asks the kernel to SIGTERM the child when ``parent``
-    dies, and ends the child at once if ``parent`` is already gone. libc is looked
-    up here, before the fork: the child only calls it."""
+    """The fallback for a command of another shape: a ``preexec_fn`` doing the same
+    (libc is looked up here, before the fork: the child only calls it)."""
     prctl = ctypes.CDLL(None, use_errno=True).prctl
 
     def preexec() -> None:
         prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # died between fork and prctl
+        if os.getppid() != parent:
             os._exit(1)
 
     return preexec
@@ -48,14 +62,19 @@ def _death_signal_preexec(parent: int):
 
 class _WithDeathSignal:
     """The ``subprocess`` module as Prefect's server module sees it while it starts
-    the server: `Popen` with the parent-death signal, everything else unchanged."""
+    the server: `Popen` of a command that dies with this process, everything else
+    unchanged."""
 
-    def __init__(self, preexec: Any):
-        self._preexec = preexec
+    def __init__(self, parent: int):
+        self._parent = parent
 
-    def Popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 - the module's name
-        kwargs.setdefault("preexec_fn", self._preexec)
-        return subprocess.Popen(*args, **kwargs)
+    def Popen(self, args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 - the module's name
+        args = list(args)
+        if args[1:3] == ["-m", "uvicorn"]:
+            args = [args[0], "-c", _BOOT, str(self._parent), *args[3:]]
+        else:
+            kwargs.setdefault("preexec_fn", _death_signal_preexec(self._parent))
+        return subprocess.Popen(args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(subprocess, name)
@@ -81,7 +100,7 @@ def tie_temporary_server() -> bool:
     class TiedServer(base):  # type: ignore[misc, valid-type]
         def _run_uvicorn_command(self) -> subprocess.Popen:
             real = server_module.subprocess
-            server_module.subprocess = _WithDeathSignal(_death_signal_preexec(os.getpid()))
+            server_module.subprocess = _WithDeathSignal(os.getpid())
             try:
                 return super()._run_uvicorn_command()
             finally:
