@@ -206,15 +206,18 @@ def test_manifest_that_does_not_match_the_model(tmp_path, dataset):
 def test_unknown_worker_and_missing_run(tmp_path):
     out = cli("--run", str(tmp_path / "nothing"), "--worker", "region-a")
     assert out.returncode == 2
-    assert "run manifest" in out.stderr and str(tmp_path / "nothing") in out.stderr
+    assert "manifest" in out.stderr and str(tmp_path / "nothing") in out.stderr
+    assert not (tmp_path / "nothing").exists()  # nothing written
 
 
-def test_unreachable_store_fails_with_its_url():
+def test_unreachable_store_fails_with_its_url(monkeypatch):
+    # credentials from the environment: on the command line they are refused
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
     out = cli("--run", "s3://diloco-test/run", "--worker", "region-a",
-              "--storage-option", "endpoint_url=http://127.0.0.1:9",
-              "--storage-option", "key=x", "--storage-option", "secret=y", timeout=180)
+              "--storage-option", "endpoint_url=http://127.0.0.1:9", timeout=180)
     assert out.returncode == 2
-    assert "s3://diloco-test/run/run.json" in out.stderr
+    assert "cannot reach the store s3://diloco-test/run" in out.stderr
 
 
 def test_sigterm_checkpoints_and_the_worker_resumes(tmp_path, dataset):
