@@ -379,6 +379,17 @@ def applied_once(s: Snapshot) -> list[str]:
     return out
 
 
+def round_arrays(run_url: str, fragment: int, round: int,
+                 storage_options: dict | None = None) -> dict[str, np.ndarray]:
+    """The canonical checkpoint of (fragment, round): params, momentum, residual."""
+    from diloco.run import open_exchange
+    from storage import layout
+    from storage.checkpoints import read_checkpoint
+
+    ex = open_exchange(run_url, storage_options)
+    return read_checkpoint(ex.store, layout.global_commit(fragment, round))[0]
+
+
 def canonical_eval(run_url: str, storage_options: dict | None = None) -> float:
     """The canonical model's mean loss on the run's validation batches."""
     import torch

@@ -46,6 +46,7 @@ try:  # tests/ is on sys.path under pytest's default import mode
         env_for,
         fired,
         job_argv,
+        round_arrays,
         snapshot,
     )
 except ImportError:  # tests imported as a package
@@ -58,6 +59,7 @@ except ImportError:  # tests imported as a package
         env_for,
         fired,
         job_argv,
+        round_arrays,
         snapshot,
     )
 
@@ -183,30 +185,42 @@ PLANT_ROUND = {"replay": 1}
 PLANT_FRAGMENT = 1
 
 
-@pytest.mark.parametrize("slot", ["own", "other"])
-@pytest.mark.parametrize("kind", PLANTS)
+#: every kind in region-a's own slot and in the other worker's; one kind in both
+#: slots, which leaves a round with no usable contribution
+CASES = [(k, slot) for k in PLANTS for slot in ("own", "other")] + [("nan", "both")]
+VICTIMS = {"own": ["region-a"], "other": ["region-b"], "both": list(WORKERS)}
+
+
+@pytest.mark.parametrize("kind, slot", CASES, ids=[f"{k}-{slot}" for k, slot in CASES])
 def test_bad_payload(kind, slot, data_url, reference, tmp_path):
     """A bad contribution in region-a's slot (``own``: region-a is then killed
-    and restarted, and must re-read it) or in region-b's (``other``: region-a is
-    killed all the same and must not care): rejected and recorded, the run
+    and restarted, and must re-read it), in region-b's (``other``: region-a is
+    killed all the same and must not care), or in both (the round has no usable
+    contribution and must not be a step): rejected and recorded, the run
     finishes (every job exits 0), the canonical model is finite and sane."""
     rnd = PLANT_ROUND.get(kind, 2)
-    victim = "region-a" if slot == "own" else "region-b"
     where = {"fragment": PLANT_FRAGMENT, "round": rnd}
     faults = {"region-a": [{"action": "kill", "at": "after-publish", **where}]}
-    faults.setdefault(victim, []).insert(0, {"action": "plant", "kind": kind, **where})
+    for victim in VICTIMS[slot]:
+        faults.setdefault(victim, []).insert(0, {"action": "plant", "kind": kind, **where})
     url = new_run(data_url, str(tmp_path / "run"))
     lines = run_jobs(url, tmp_path / "logs", faults)
-    assert any(f"{victim} planted {kind}" in line for line in lines), lines
     assert any("region-a killed at after-publish" in line for line in lines), lines
 
     got = snapshot(url)
     key = (PLANT_FRAGMENT, rnd)
-    assert victim in got.rejected.get(key, {}), (
-        f"no rejection of {victim} recorded under frag/{key[0]}/r{key[1]:06d}/rejected/; "
-        f"rejections: {got.rejected}")
-    assert victim not in got.weights[key], f"the bad contribution was used: {got.weights[key]}"
+    for victim in VICTIMS[slot]:
+        assert any(f"{victim} planted {kind}" in line for line in lines), lines
+        assert victim in got.rejected.get(key, {}), (
+            f"no rejection of {victim} recorded under frag/{key[0]}/r{key[1]:06d}/rejected/;"
+            f" rejections: {got.rejected}")
+        assert victim not in got.weights[key], f"a bad contribution was used: {got.weights[key]}"
     assert not applied_once(got), applied_once(got)
+    if slot == "both":
+        before, after = round_arrays(url, PLANT_FRAGMENT, rnd - 1), round_arrays(url, *key)
+        for name in ("params", "momentum"):
+            assert after[name].tobytes() == before[name].tobytes(), (
+                f"round {rnd} had no usable contribution but the canonical {name} moved")
     for p, arrays in got.final.items():
         for name, value in arrays.items():
             assert value.size and bool((abs(value) < 1e3).all()), (
