@@ -3,9 +3,10 @@
 `ObjectStore` runs on three backends (see its module docstring); this module
 holds what differs between them before the first byte moves: which scheme a URL
 names, the refusal of credentials in a URL or in options bound for a stored
-parameter (they come from the environment), the s3fs filesystem configured so that our retry layer is the only one,
-the key rules that keep every key inside the store root, and the few pieces
-the file and memory backends need to make writes atomic.
+parameter (they come from the environment), the s3fs filesystem configured so
+that our retry layer is the only one, the key rules that keep every key inside
+the store root, and the few pieces the file and memory backends need to make
+writes atomic.
 """
 
 from __future__ import annotations
