@@ -54,7 +54,12 @@ def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: 
     state = None
     try:
         with live:
-            tie_temporary_server()  # Prefect's, when there is no PREFECT_API_URL: dies with us
+            try:  # Prefect's, when there is no PREFECT_API_URL: it dies with this command
+                tie_temporary_server()
+            except Exception as exc:  # noqa: BLE001 - a timeout, a port: one line, no traceback
+                first = (str(exc).splitlines() or [type(exc).__name__])[0]
+                raise fail(f"Prefect's temporary server did not start: {first}; or set "
+                           f"PREFECT_API_URL to a running server", EXIT_FAILED) from None
             state = train(run_url=run_url, resume=resume, storage_options=storage_options,
                           return_state=True, **flow_kwargs)
     except KeyboardInterrupt:
