@@ -5,37 +5,34 @@ The parent run, the child run of each worker and of the aggregator, and
 `tracking.runs`; settings in `tracking.settings`.
 
 Logging never stops or slows training (DESIGN.md, principle 1). Metrics go through
-MLflow's asynchronous logging (``log_batch(synchronous=False)``) with a bounded
-outage buffer beside it (`tracking.sender`). Everything else a hook asks for
-(create or continue a run, params, tags, end a run, the summary and plots) is a
-task for one background thread per hooks object, done in order, retried with
-backoff while the server is unreachable. `close()` waits a bounded time
-(``DILOCO_TRACKING_CLOSE_TIMEOUT``, 15 s) and logs a warning saying how many
-metrics, params, tags, artifacts (and runs) were not logged; it returns the
-counts, ``not_logged`` keeps them, and the train job writes its own into the
-summary artifact. A job whose ``close()`` runs while an exception propagates ends
-its run FAILED.
+MLflow's asynchronous logging (``log_batch(synchronous=False)``) with a bounded outage
+buffer beside it (`tracking.sender`). Everything else a hook asks for (create or
+continue a run, params, tags, end a run, the summary and plots) is a task for one
+background thread per hooks object, done in order, retried with backoff while the server
+is unreachable. `close()` waits a bounded time (``DILOCO_TRACKING_CLOSE_TIMEOUT``, 15 s)
+and logs a warning saying how many metrics, params, tags, artifacts (and runs) were not
+logged; it returns the counts, ``not_logged`` keeps them, and the train job writes its
+own into the summary artifact. A job whose ``close()`` runs while an exception
+propagates ends its run FAILED.
 
-What a worker step pays, measured with ``.venv/bin/python -m
-benchmarks.bench_tracking`` (defaults: 300 steps per phase, one ``worker_metrics``
-call of 9 metrics per step, 10 ms apart; ``mlflow server`` on loopback behind a
-proxy that holds each request 200 ms, "slow", then with the proxy gone, "down"),
-on two shared cores (load 0.5 to 1), MLflow 3.17; "old queue" is tracking/ as of
-commit 8e17894 run by the same script:
+What a worker step pays, measured with ``.venv/bin/python -m benchmarks.bench_tracking``
+(defaults: 300 steps per phase, one ``worker_metrics`` call of 9 metrics per step, 10 ms
+apart; ``mlflow server`` on loopback behind a proxy that holds each request 200 ms,
+"slow", then with the proxy gone, "down"), on two shared cores (load 0.5 to 1), MLflow
+3.17; "old queue" is tracking/ as of commit 8e17894 run by the same script:
 
     the call, median / p99          slow                down                close()
     old queue (own thread), 3 runs  42-46 / 95-115 us   45-49 / 94-144 us   2.0-4.7 s
     MLflow async + buffer, 5 runs   60-67 / 560-802 us  61-68 / 219-231 us  2.3-3.1 s
 
-Both are tens of microseconds a call; MLflow's queue costs about 20 us more, and
-its p99 is higher: the call hands the batch to MLflow's thread pool, and while the
-server is slow the hooks' thread also sends the buffer (JSON of up to 1000
-metrics, made while holding the GIL). Not logged, of
-the 2700 metrics after the proxy died: 2988-3375 (old) and 3033-3429 (new), what
-was on its way when it died included. One cost the old queue did not have: a
-process's exit waits for the requests MLflow's threads still have in flight (at
-most a window of 10 batches, sent in parallel before the outage was noticed): 26 s
-measured when the server's port accepts and never answers (HTTP timeout 10 s, two
+Both are tens of microseconds a call; MLflow's queue costs about 20 us more, and its p99
+is higher: the call hands the batch to MLflow's thread pool, and while the server is
+slow the hooks' thread also sends the buffer (JSON of up to 1000 metrics, made while
+holding the GIL). Not logged, of the 2700 metrics after the proxy died: 2988-3375 (old)
+and 3033-3429 (new), what was on its way when it died included. One cost the old queue
+did not have: a process's exit waits for the requests MLflow's threads still have in
+flight (at most a window of 10 batches, sent in parallel before the outage was noticed):
+26 s measured when the server's port accepts and never answers (HTTP timeout 10 s, two
 retries), about 3 s when it refuses; none once those requests have failed. The old
 thread was simply abandoned at exit.
 """
@@ -254,17 +251,14 @@ class MlflowHooks(Hooks):
             log.debug("aggregator_eval not tracked", exc_info=True)
 
     def aggregator_stalled(self, stalls: list[dict[str, Any]]) -> None:
-        """A stall shows on the aggregator's run as the tag ``diloco.stalled`` (who is
-        missing since when; emptied when rounds are applied again) and the metric
-        ``stalled_s``, so it is visible in the MLflow UI while the run waits."""
+        """Tag ``diloco.stalled`` (who is missing since when; "" once rounds are applied
+        again) and metric ``stalled_s`` on the aggregator's run."""
         try:
-            text = "; ".join(s["text"] for s in stalls)
+            text, ts, step = "; ".join(s["text"] for s in stalls), int(time.time() * 1000), \
+                self._rounds_seen
+            self._task(_Task("tag diloco.stalled", lost={"tags": 1}, fn=lambda: self._set_tags(
+                "aggregator", {"diloco.stalled": text})))
             waited = max((float(s["waited_s"]) for s in stalls), default=0.0)
-            self._task(_Task("tag diloco.stalled",
-                             lambda: self._set_tags("aggregator", {"diloco.stalled": text}),
-                             lost={"tags": 1}))
-            ts = int(time.time() * 1000)
-            step = self._rounds_seen
             self.sender.log("aggregator", lambda: stall_metrics(waited, ts, step), 1)
         except Exception:  # noqa: BLE001
             log.debug("aggregator_stalled not tracked", exc_info=True)
