@@ -441,9 +441,8 @@ class MlflowHooks(Hooks):
     def _set_tags(self, key: str, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag  # noqa: PLC0415
 
-        run_id = self._require(key)
-        items = [RunTag(k, v) for k, v in tags.items()]
-        self.links.client().log_batch(run_id, tags=items, synchronous=True)
+        self.links.client().log_batch(self._require(key), synchronous=True,
+                                      tags=[RunTag(k, v) for k, v in tags.items()])
 
     def _end_run(self, key: str, status: str, state: str) -> None:
         run_id = self._require(key)
