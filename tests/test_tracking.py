@@ -584,3 +584,27 @@ def test_micro_training_run_through_the_train_job(sqlite_tracking: str, tmp_path
     assert plots == set(RUN_PLOTS)
     final = client.get_run(parent.info.run_id).data.metrics
     assert final["final_eval_loss"] == pytest.approx(report["global"]["eval_loss"])
+
+
+def test_a_stall_shows_on_the_aggregators_run(sqlite_tracking: str, tmp_path: Path) -> None:
+    """A stalled aggregator is visible in MLflow while the run waits: the tag names
+    who is missing, the metric says for how long; both clear when rounds resume."""
+    run_url = (tmp_path / "store" / "run-stall").as_uri()
+    train = MlflowHooks(run_url, role="train")
+    train.run_started(tiny_config(), run_url, resumed=False)
+    deadline = time.monotonic() + 60
+    while not ObjectStore(run_url).exists(TRACKING_KEY) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    agg = MlflowHooks(run_url, role="aggregator")
+    text = "fragment 0 round 3 waits for region-b since 10:00:00 UTC (75 s)"
+    agg.aggregator_stalled([{"fragment": 0, "round": 3, "missing": ["region-b"],
+                             "since": "2026-11-24T10:00:00+00:00", "waited_s": 75.0,
+                             "text": text}])
+    assert agg.close(timeout=30) == {}
+    assert train.close(timeout=30) == {}
+    client = MlflowClient(sqlite_tracking)
+    info = json.loads(ObjectStore(run_url).get(TRACKING_KEY))
+    (child,) = client.search_runs([info["experiment_id"]],
+                                  filter_string="tags.`diloco.role` = 'aggregator'")
+    assert child.data.tags["diloco.stalled"] == text
+    assert [v for _, v in history(client, child.info.run_id, "stalled_s")] == [75.0]
