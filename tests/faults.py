@@ -196,13 +196,19 @@ class FaultProxy:
 
     KINDS = ("503", "reset-before", "reset-after")
 
-    def __init__(self, upstream: str, rate: float = 0.3, seed: int = 0):
+    def __init__(self, upstream: str, rate: float = 0.3, seed: int = 0,
+                 outage_after: int = 0, outage_s: float = 0.0):
+        """``outage_after``, ``outage_s``: from that request on, fail every request
+        (503 or a reset before forwarding) for ``outage_s`` seconds: a short
+        outage, longer than one operation's retries."""
         host, port = upstream.removeprefix("http://").rstrip("/").split(":")
         self.upstream = (host, int(port))
         self.rate = rate
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
+        self.outage_after, self.outage_s = outage_after, outage_s
+        self.outage_at: float | None = None
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -231,6 +237,12 @@ class FaultProxy:
 
     def fate(self) -> str:
         with self.lock:
+            seen = sum(self.counts.values())
+            if self.outage_s and self.outage_at is None and seen >= self.outage_after:
+                self.outage_at = time.monotonic()
+            if self.outage_at is not None and time.monotonic() - self.outage_at < self.outage_s:
+                self.counts["outage"] += 1
+                return self.rng.choice(self.KINDS[:2])
             kind = (self.rng.choice(self.KINDS) if self.rng.random() < self.rate
                     else "forward")
             self.counts[kind] += 1

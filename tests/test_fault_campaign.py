@@ -258,14 +258,16 @@ def s3_reference(data_url, s3_endpoint, s3_bucket, s3_env, tmp_path_factory):
 @pytest.mark.s3
 def test_flaky_s3(data_url, s3_endpoint, s3_bucket, s3_env, s3_reference, tmp_path):
     """30% of the jobs' requests fail (503 SlowDown, resets before and after the
-    server acted): the run finishes with the state of the run without faults."""
+    server acted), and once mid-run every request fails for 8 s (longer than one
+    operation's retries): the run finishes with the state of the run without
+    faults."""
     endpoint, options = s3_endpoint
     url = new_run(data_url, f"s3://{s3_bucket}/faults-{uuid.uuid4().hex[:8]}", options,
                   S3_RUN)
-    with FaultProxy(endpoint, rate=0.3, seed=7) as proxy:
+    with FaultProxy(endpoint, rate=0.3, seed=7, outage_after=300, outage_s=8.0) as proxy:
         run_jobs(url, tmp_path / "logs", env={**s3_env, "AWS_ENDPOINT_URL_S3": proxy.url})
     failed = sum(n for k, n in proxy.counts.items() if k != "forward")
-    assert failed > 50, dict(proxy.counts)
+    assert failed > 50 and proxy.counts["outage"] > 10, dict(proxy.counts)
     assert_same_as(s3_reference(), url, options)
 
 
