@@ -86,14 +86,9 @@ MICRO = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def no_tracking(monkeypatch):
-    """MLflow has its own tests; here it would only cost time."""
-    monkeypatch.setenv("DILOCO_TRACKING", "off")
-
-
 @pytest.fixture(scope="module")
 def data_url(tmp_path_factory) -> str:
+    """A 200 kB slice of the installed corpus, prepared once (jobs read it by path)."""
     url = str(tmp_path_factory.mktemp("data") / "shakespeare")
     prepare_data(["builtin:shakespeare/tragedies/*"], url, max_bytes=200_000)
     return url
@@ -297,8 +292,13 @@ def test_launcher_killed_at_startup(data_url, reference, tmp_path):
     deadline = time.monotonic() + 2 * TRIAL_TIMEOUT
     orphans: list[int] = []
 
-    def hung(what: str) -> str:
-        return f"hung: {what}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+    def report(what: str) -> str:
+        """``what``, then the end of the command's output and of each job's log."""
+        parts = [what]
+        for path in [log, *sorted((Path(url) / "logs").glob("*.log"))]:
+            lines = path.read_text(errors="replace").splitlines()[-10:]
+            parts.append(f"  {path}:\n" + "\n".join("    " + line[:300] for line in lines))
+        return "\n".join(parts)
 
     record = Path(url) / "members" / "launcher.json"
     launched: list[subprocess.Popen] = []
@@ -322,20 +322,21 @@ def test_launcher_killed_at_startup(data_url, reference, tmp_path):
     try:
         run = diloco("run", "--run-url", url, "--no-eval", *sets)
         while not record.exists():
-            assert run.poll() is None, hung(f"diloco run exited {run.returncode} early")
-            assert time.monotonic() < deadline, hung("diloco run launched no jobs")
+            assert run.poll() is None, report(f"diloco run exited {run.returncode} early")
+            assert time.monotonic() < deadline, report("hung: diloco run launched no jobs")
             time.sleep(0.05)
         os.killpg(run.pid, signal.SIGKILL)  # the launcher and its Prefect server
         run.wait(10)
         orphans = jobs()
         while any(alive(pid) for pid in orphans):
-            assert time.monotonic() < deadline, hung(f"orphaned jobs {orphans} never stopped")
+            assert time.monotonic() < deadline, report(
+                f"hung: orphaned jobs {orphans} never stopped")
             time.sleep(0.2)
         resumed = diloco("resume", url)
         while resumed.poll() is None:
-            assert time.monotonic() < deadline, hung("diloco resume")
+            assert time.monotonic() < deadline, report("hung: diloco resume")
             time.sleep(0.2)
-        assert resumed.returncode == 0, hung(f"diloco resume exited {resumed.returncode}")
+        assert resumed.returncode == 0, report(f"diloco resume exited {resumed.returncode}")
     finally:  # everything this trial started, by pid: the commands and their jobs
         for proc in launched:
             if proc.poll() is None:
