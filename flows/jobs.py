@@ -54,14 +54,20 @@ def open_job_run(run_url: str, storage_options: dict | None) -> Exchange:
     registration, MLflow runs): `CredentialsInURL` for a URL carrying credentials,
     `BucketMissing` for an S3 bucket that does not exist, `RunNotFound` for a store
     that holds no run there."""
-    from workers.locate import RunNotFound, open_run, reach_store  # noqa: PLC0415
+    from workers.locate import (  # noqa: PLC0415
+        JOB_START_PATIENCE_S,
+        RunNotFound,
+        open_run,
+        reach_store,
+    )
 
     refuse_credentials(run_url, what="run_url")
-    try:
-        return open_run(run_url, storage_options)
+    try:  # a job rides out a store outage at start-up (the command fails fast)
+        return open_run(run_url, storage_options, patience_s=JOB_START_PATIENCE_S)
     except RunNotFound:
         if "://" in run_url and not run_url.startswith(("file://", "memory://")):
-            reach_store(run_url, storage_options, what="run_url")  # names a missing bucket
+            reach_store(run_url, storage_options, what="run_url",  # names a missing bucket
+                        patience_s=JOB_START_PATIENCE_S)
         raise
 
 

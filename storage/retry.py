@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from botocore.exceptions import ClientError, HTTPClientError
+from botocore.exceptions import ClientError, EndpointConnectionError, HTTPClientError
 from botocore.parsers import ResponseParserError
 from tenacity import (
     RetryCallState,
@@ -237,3 +237,9 @@ def outlast(
             log.warning("%s: the store keeps failing (%.0f s of at most %.0f s): %s",
                         what, now - first_failure, patience_s, exc)
             time.sleep(pause_s)
+
+
+def never_connected(exc: BaseException) -> bool:
+    """The store never accepted a connection (a refused port, an endpoint that does
+    not resolve): at start-up a wrong URL far likelier than an outage."""
+    return isinstance(exc, (EndpointConnectionError, ConnectionRefusedError))

@@ -108,6 +108,7 @@ def _check_store(args: argparse.Namespace, opts: dict | None) -> None:
     bucket that exists, and (to train or aggregate) a run at --run."""
     from storage.backends import CredentialsInURL, refuse_credentials  # noqa: PLC0415
     from workers.locate import (  # noqa: PLC0415
+        JOB_START_PATIENCE_S,
         RunNotFound,
         StoreUnreachable,
         is_url,
@@ -118,9 +119,10 @@ def _check_store(args: argparse.Namespace, opts: dict | None) -> None:
     try:
         refuse_credentials(args.run, what="--run")
         if args.create or (is_url(args.run) and not args.run.startswith("file://")):
-            reach_store(args.run, opts, what="--run")  # a local one: makes the folder
+            reach_store(args.run, opts, what="--run",  # a local one: makes the folder
+                        patience_s=0.0 if args.create else JOB_START_PATIENCE_S)
         if not args.create:
-            open_run(args.run, opts)
+            open_run(args.run, opts, patience_s=JOB_START_PATIENCE_S)
     except (CredentialsInURL, StoreUnreachable, RunNotFound) as exc:
         raise UsageError(str(exc)) from None
 

@@ -15,17 +15,25 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import TypeVar
 
 from diloco.run import open_exchange
 from storage.backends import refuse_credentials
-from storage.errors import ManifestInvalid
+from storage.errors import ManifestInvalid, TransientStoreError
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore, RetryPolicy
+from storage.retry import is_transient, never_connected
 from workers.config import RunConfig
 
 DEFAULT_STORE = "runs"
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+#: how long a job (not the command) rides out a store outage while it starts
+JOB_START_PATIENCE_S = 300.0
 
 #: A few quick attempts: enough for a hiccup, short enough to fail fast.
 REACH_POLICY = RetryPolicy(attempts=3, base_delay=0.2, max_delay=1.0)
@@ -93,11 +101,44 @@ def resolve_run(ref: str, store: str = DEFAULT_STORE) -> str:
                       f"{store}/{hint}")
 
 
-def open_run(run_url: str, storage_options: dict | None = None) -> Exchange:
-    """The run at ``run_url`` (RunNotFound if there is no manifest)."""
+def _transient(exc: BaseException | None) -> bool:
+    """Whether a store that answers but fails (5xx, throttling, a reset mid-request)
+    is behind ``exc``. A store that never accepts a connection (a wrong endpoint, a
+    refused port) is not ridden out at start-up: that is far likelier a mistake in
+    the URL than an outage, and the job should say so at once."""
+    found = False
+    while exc is not None:
+        if never_connected(exc):
+            return False
+        found = found or isinstance(exc, TransientStoreError) or is_transient(exc)
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
+def _patiently(fn: Callable[[], T], patience_s: float, what: str) -> T:
+    """``fn()``, tried again for up to ``patience_s`` while a store outage is why it
+    fails. The command fails fast (0: a user waits); a job started on an existing
+    run rides out an outage instead of exiting with a usage error."""
+    start = time.monotonic()
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            if not _transient(exc) or time.monotonic() - start >= patience_s:
+                raise
+            log.warning("%s: the store keeps failing (%.0f s of at most %.0f s): %s", what,
+                        time.monotonic() - start, patience_s, exc)
+            time.sleep(min(5.0, max(0.5, patience_s / 20)))
+
+
+def open_run(run_url: str, storage_options: dict | None = None, *,
+             patience_s: float = 0.0) -> Exchange:
+    """The run at ``run_url`` (RunNotFound if there is no manifest); ``patience_s``
+    as for a job: how long a store outage is ridden out."""
     try:
-        return open_exchange(ObjectStore(run_url, storage_options=storage_options,
-                                         retry=REACH_POLICY))
+        return _patiently(lambda: open_exchange(ObjectStore(
+            run_url, storage_options=storage_options, retry=REACH_POLICY)), patience_s,
+            f"open the run {_safe(run_url)}")
     except ManifestInvalid as exc:
         if "cannot read" in str(exc):
             raise RunNotFound(f"no run at {run_url} (its manifest run.json cannot be read)"
@@ -106,7 +147,7 @@ def open_run(run_url: str, storage_options: dict | None = None) -> Exchange:
 
 
 def reach_store(url: str, storage_options: dict | None = None, *,
-                what: str = "store URL") -> None:
+                what: str = "store URL", patience_s: float = 0.0) -> None:
     """Raise StoreUnreachable unless the store at ``url`` answers (a local folder:
     unless it can be created and written; S3: unless its bucket exists), and
     `CredentialsInURL` (naming ``what``) if the URL carries credentials."""
@@ -127,8 +168,12 @@ def reach_store(url: str, storage_options: dict | None = None, *,
     try:
         store = ObjectStore(url, storage_options=storage_options, retry=REACH_POLICY,
                             name="probe")
-        store.exists("run.json")
-        found = store.bucket_exists()
+
+        def probe() -> bool:
+            store.exists("run.json")
+            return store.bucket_exists()
+
+        found = _patiently(probe, patience_s, f"reach the store {_safe(url)}")
     except Exception as exc:  # noqa: BLE001 - StoreError, OSError, botocore's credential errors
         raise StoreUnreachable(f"cannot reach the store {_safe(url)}: {_reason(exc)}") from exc
     finally:
