@@ -13,29 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_runs import SHORT, clean_env
 from typer.testing import CliRunner
 
 from cli.app import app
 
 DILOCO = str(Path(sys.executable).parent / "diloco")
-
-# The tiny recipe, shortened: a micro model, 24 steps, a part of the corpus.
-SHORT = [
-    "--set", "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
-    "--set", "data.seq_len=32", "--set", "data.batch_size=8", "--set", "train.steps=24",
-    "--set", "train.eval_every=0", "--set", "train.eval_batches=2", "--set", "sync.sync_every=8",
-    "--set", "sync.fragments=2", "--set", "sync.overlap=1", "--set", "optim.warmup_steps=4",
-    "--set", "optim.lr=0.01", "--set", "train.checkpoint_every=8",
-    "--set", 'data.sources=["builtin:shakespeare/tragedies/*"]',
-]
-
-
-def clean_env(tmp: Path, **extra: str) -> dict[str, str]:
-    """No Prefect server configured (the embedded default), a PREFECT_HOME of our own."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PREFECT_", "MLFLOW_", "DILOCO_", "AWS_"))}
-    env.update(PREFECT_HOME=str(tmp / "prefect-home"), COLUMNS="120", **extra)
-    return env
 
 
 def diloco(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import boto3
 import pytest
+from cli_runs import SHORT, clean_env, descendants
 from typer.testing import CliRunner
 
 from cli.app import app
@@ -35,23 +36,6 @@ SECRET = f"marker-{uuid.uuid4().hex}"
 KEY_ID = "AKIAMARKER" + uuid.uuid4().hex[:10].upper()
 
 # The tiny recipe, shortened as in test_cli.py: a micro model, 24 steps.
-SHORT = [
-    "--set", "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
-    "--set", "data.seq_len=32", "--set", "data.batch_size=8", "--set", "train.steps=24",
-    "--set", "train.eval_every=0", "--set", "train.eval_batches=2", "--set", "sync.sync_every=8",
-    "--set", "sync.fragments=2", "--set", "sync.overlap=1", "--set", "optim.warmup_steps=4",
-    "--set", "optim.lr=0.01", "--set", "train.checkpoint_every=8",
-    "--set", 'data.sources=["builtin:shakespeare/tragedies/*"]',
-]
-
-
-def clean_env(home: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PREFECT_", "MLFLOW_", "DILOCO_", "AWS_"))}
-    env.update(PREFECT_HOME=str(home / "prefect-home"), COLUMNS="120", PYTHONPATH=str(ROOT),
-               **extra)
-    return env
-
 
 def tree(path: Path) -> list[str]:
     return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
@@ -234,23 +218,8 @@ def test_the_deployment_launcher_refuses_credentials_in_storage_options(options,
 def watch_command_lines(pid: int, seen: dict[int, set[str]], done: threading.Event) -> None:
     """Every process under ``pid`` and its command line, polled from /proc."""
     while not done.is_set():
-        children: dict[int, list[int]] = {}
-        commands: dict[int, str] = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(") ", 1)[1].split()[1])
-                commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(
-                    b"\0", b" ").decode(errors="replace")
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-        todo = [pid]
-        while todo:
-            for child in children.get(todo.pop(), []):
-                seen.setdefault(child, set()).add(commands.get(child, ""))
-                todo.append(child)
+        for child, command in descendants(pid).items():
+            seen.setdefault(child, set()).add(command)
         time.sleep(0.1)
 
 

@@ -16,6 +16,7 @@ from contextlib import suppress
 from pathlib import Path
 
 import pytest
+from cli_runs import clean_env, descendants
 
 from workers.config import load_config
 from workers.data.prepare import prepare_data
@@ -33,14 +34,6 @@ MICRO = [
 ]
 SHORT = [a for item in MICRO for a in ("--set", item)]
 
-
-def clean_env(home: Path, **extra: str) -> dict[str, str]:
-    """No Prefect server configured (the embedded default), a PREFECT_HOME of our own."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PREFECT_", "MLFLOW_", "DILOCO_", "AWS_"))}
-    env.update(PREFECT_HOME=str(home / "prefect-home"), COLUMNS="120", PYTHONPATH=str(ROOT),
-               **extra)
-    return env
 
 
 def error_line(stderr: str) -> str:
@@ -70,28 +63,6 @@ def alive(pid: int) -> bool:
         return not stat.read_text().split(") ", 1)[1].startswith("Z")
     except (OSError, IndexError):
         return False
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """The processes under ``pid`` now: {pid: command line}."""
-    children: dict[int, list[int]] = {}
-    commands: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(") ", 1)[1].split()[1])
-            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(
-                b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = {}, [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found[child] = commands.get(child, "")
-            todo.append(child)
-    return found
 
 
 def wait_gone(pids: list[int], timeout: float) -> float:

@@ -1,0 +1,52 @@
+"""What the tests that run the `diloco` command as a user does share: a short run,
+a clean environment, and the processes a command started (read from /proc, so a
+test can check what they were given and that they are gone)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The tiny recipe, shortened: a micro model, 24 steps, a part of the corpus.
+SHORT = [
+    "--set", "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
+    "--set", "data.seq_len=32", "--set", "data.batch_size=8", "--set", "train.steps=24",
+    "--set", "train.eval_every=0", "--set", "train.eval_batches=2", "--set", "sync.sync_every=8",
+    "--set", "sync.fragments=2", "--set", "sync.overlap=1", "--set", "optim.warmup_steps=4",
+    "--set", "optim.lr=0.01", "--set", "train.checkpoint_every=8",
+    "--set", 'data.sources=["builtin:shakespeare/tragedies/*"]',
+]
+
+
+def clean_env(home: Path, **extra: str) -> dict[str, str]:
+    """No Prefect server configured (the embedded default), a PREFECT_HOME of our own,
+    no credentials or tracking settings from the caller's environment."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PREFECT_", "MLFLOW_", "DILOCO_", "AWS_"))}
+    env.update(PREFECT_HOME=str(home / "prefect-home"), COLUMNS="120", PYTHONPATH=str(ROOT),
+               **extra)
+    return env
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """The processes under ``pid`` now: {pid: command line}."""
+    children: dict[int, list[int]] = {}
+    commands: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(") ", 1)[1].split()[1])
+            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(
+                b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = commands.get(child, "")
+            todo.append(child)
+    return found
