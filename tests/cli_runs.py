@@ -50,3 +50,15 @@ def descendants(pid: int) -> dict[int, str]:
             found[child] = commands.get(child, "")
             todo.append(child)
     return found
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie is dead: it only waits to be reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return not Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except (OSError, IndexError):
+        return False

@@ -35,33 +35,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
-try:  # tests/ is on sys.path under pytest's default import mode
-    from faults import (
-        FaultProxy,
-        Jobs,
-        applied_once,
-        canonical_eval,
-        differences,
-        env_for,
-        fired,
-        job_argv,
-        round_arrays,
-        snapshot,
-    )
-except ImportError:  # tests imported as a package
-    from tests.faults import (
-        FaultProxy,
-        Jobs,
-        applied_once,
-        canonical_eval,
-        differences,
-        env_for,
-        fired,
-        job_argv,
-        round_arrays,
-        snapshot,
-    )
+from cli_runs import alive
+from faults import (
+    FaultProxy,
+    Jobs,
+    applied_once,
+    canonical_eval,
+    differences,
+    env_for,
+    fired,
+    job_argv,
+    round_arrays,
+    snapshot,
+)
 
 from workers.config import load_config
 from workers.data.prepare import prepare_data
@@ -269,15 +255,6 @@ def test_flaky_s3(data_url, s3_endpoint, s3_bucket, s3_env, s3_reference, tmp_pa
 # -- the launcher killed during start-up -------------------------------------------------
 
 DILOCO = str(Path(sys.executable).parent / "diloco")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split(") ", 1)[1].startswith("Z"))
 
 
 def test_launcher_killed_at_startup(data_url, reference, tmp_path):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import alive
 
 from diloco.run import latest_global, load_canonical, load_initial, plan_for
 from flows.control import CANCEL_KEY, cancel_request, read_launcher, request_cancel
@@ -65,16 +66,6 @@ def data_url(tmp_path_factory) -> str:
 
 def micro(data_url: str, store: Path, *extra: str):
     return load_config("tiny", [*MICRO, f"data.dataset={data_url}", f"store={store}", *extra])
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead: it only waits to be reaped
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split(") ", 1)[1].startswith("Z"))
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:

@@ -16,7 +16,7 @@ from contextlib import suppress
 from pathlib import Path
 
 import pytest
-from cli_runs import clean_env, descendants
+from cli_runs import alive, clean_env, descendants
 
 from workers.config import load_config
 from workers.data.prepare import prepare_data
@@ -51,18 +51,6 @@ def tree(path: Path) -> list[str] | None:
     if not path.exists():
         return None
     return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")  # a zombie is dead: it only waits to be reaped
-    try:
-        return not stat.read_text().split(") ", 1)[1].startswith("Z")
-    except (OSError, IndexError):
-        return False
 
 
 def wait_gone(pids: list[int], timeout: float) -> float:
