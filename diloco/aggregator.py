@@ -41,10 +41,6 @@ log = logging.getLogger(__name__)
 def _utc_now() -> str:
     return datetime.now(UTC).isoformat()
 
-# A bad contribution is one of these; anything else (the store unreachable) is not
-# the worker's fault and propagates.
-REJECTABLE = BAD_CONTRIBUTION
-
 
 @dataclass
 class RoundReport:
@@ -262,7 +258,7 @@ class Aggregator:
                 value, commit = self.exchange.fetch_delta(p, r, w)
                 norm = float(np.linalg.norm(value.astype(np.float64)))
                 self._guard(p, r, w, norm)
-            except REJECTABLE as exc:
+            except BAD_CONTRIBUTION as exc:  # anything else (the store down) propagates
                 inbox.rejected[w] = f"{type(exc).__name__}: {exc}"
                 log.warning("aggregator %s: rejected %s", self.name, exc)
                 self.exchange.record_rejection(p, r, w, inbox.rejected[w])
