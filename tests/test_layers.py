@@ -25,9 +25,11 @@ LAYERS = {
     "workers": {"workers", "diloco", "storage"},
     "tracking": {"tracking", "workers", "diloco", "storage"},
     "flows": {"flows", "tracking", "workers", "diloco", "storage"},
-    "cli": {"cli", "flows", "tracking", "workers", "diloco", "storage"},
+    "cli": {"cli", "flows", "tracking", "workers", "diloco", "storage", "infra"},
+    # bucket and work-pool administration: beside the training path, never under it
+    "infra": {"infra", "storage"},
 }
-FIRST_PARTY = {*LAYERS, "benchmarks", "tests", "infra", "examples", "scripts"}
+FIRST_PARTY = {*LAYERS, "benchmarks", "tests", "examples", "scripts"}
 
 #: An outside system and the only packages that may import it.
 ROOMS = {
@@ -38,8 +40,8 @@ ROOMS = {
     "rich": {"cli"},
     "zarr": {"storage"},
     "s3fs": {"storage"},
-    "boto3": {"storage"},
-    "botocore": {"storage"},
+    "boto3": {"storage", "infra"},
+    "botocore": {"storage", "infra"},
     "aiobotocore": {"storage"},
     # fsspec is the store's; workers reads the user's text sources through it too
     # (any fsspec URL is a corpus), which is reading files, not the exchange.
