@@ -1,7 +1,7 @@
 """The ``diloco`` command: run, follow, resume, cancel and deploy training runs.
 
     diloco run                          # the embedded default: tiny recipe, two local "regions"
-    diloco run configs/small.yaml --set train.steps=2000
+    diloco run small --set train.steps=2000  # a shipped recipe, or a YAML file of yours
     diloco status tiny-20260101-120000  # a run URL, or a run's name under runs/
     diloco resume tiny-20260101-120000
     diloco cancel tiny-20260101-120000

@@ -108,7 +108,7 @@ def _run_ref(run_url: str) -> str:
 
 def run(
     config: Annotated[str, typer.Argument(
-        help="a recipe in configs/ (tiny, small, gpu-150m, gpu-1b) or a YAML file")] = "tiny",
+        help="a shipped recipe (tiny, small, gpu-150m, gpu-1b) or a YAML file")] = "tiny",
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", metavar="KEY=VALUE",
         help="override a config field, e.g. --set train.steps=100 (repeatable)")] = None,

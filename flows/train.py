@@ -288,7 +288,8 @@ def train(
     and the aggregator (``local`` processes or ``deployments`` in each region's work
     pool), follow them, and report.
 
-    - ``config``: a recipe name (configs/), a YAML path or the config itself;
+    - ``config``: a shipped recipe's name (workers/recipes/), a YAML path or the
+      config itself;
       ``overrides``: ``key=value`` items.
     - ``run_url``: default ``<store>/<name>-<time>``; ``resume=True`` continues it.
     - ``resume_run`` (a run URL, or ``latest``) with ``extra_steps``: a new run that

@@ -70,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
                         "'auto' under torchrun for the data-parallel baseline: rank i is worker i)")
     action.add_argument("--create", action="store_true", help="create the run from --config")
     action.add_argument("--aggregate", action="store_true", help="run the aggregator")
-    p.add_argument("--config", default=None, help="recipe name in configs/ or a YAML path (--create)")
+    p.add_argument("--config", default=None, help="a shipped recipe (tiny, small, ...) or a YAML path (--create)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. train.steps=100 (repeatable; --create)")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",

@@ -9,6 +9,8 @@ use dotted paths (``sync.sync_every=20``, ``model.n_layers=2``).
 
 from __future__ import annotations
 
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,7 +29,9 @@ from diloco.strict import names_unknown_fields
 from storage.backends import refuse_credentials
 from workers.model import PRESETS, ModelConfig
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+#: The shipped recipes (``workers/recipes/*.yaml``): package data, so a wheel installed
+#: anywhere (the image, a pip install) resolves ``tiny`` whatever the working directory.
+RECIPES: Traversable = files("workers") / "recipes"
 
 
 class _Strict(BaseModel):
@@ -201,18 +205,24 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, yaml.safe_load(raw) if raw.strip() else ""
 
 
-def resolve_recipe(name_or_path: str | Path) -> Path:
-    """A path, or the name of a recipe in configs/ (``tiny`` -> configs/tiny.yaml)."""
+def recipe_names() -> list[str]:
+    """The names of the shipped recipes (``tiny``, ``small``, ...), sorted."""
+    return sorted(p.name.removesuffix(".yaml") for p in RECIPES.iterdir()
+                  if p.name.endswith(".yaml"))
+
+
+def resolve_recipe(name_or_path: str | Path) -> Path | Traversable:
+    """A YAML file (a file that exists wins over a recipe of that name), or the name of a shipped recipe
+    (``tiny`` -> workers/recipes/tiny.yaml, read from the installed package)."""
     path = Path(name_or_path)
-    if path.exists():
+    if path.is_file():
         return path
-    candidate = CONFIGS_DIR / f"{name_or_path}.yaml"
-    if candidate.exists():
+    candidate = RECIPES / f"{name_or_path}.yaml"
+    if candidate.is_file():
         return candidate
-    recipes = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
     raise ConfigError(
         f"config {str(name_or_path)!r} is neither a file nor a recipe; recipes: "
-        f"{', '.join(recipes)}"
+        f"{', '.join(recipe_names())}"
     )
 
 
