@@ -26,6 +26,7 @@ from pydantic import (
 
 from diloco.config import SyncConfig
 from diloco.strict import names_unknown_fields
+from storage import layout
 from storage.backends import refuse_credentials
 from workers.model import PRESETS, ModelConfig
 
@@ -157,6 +158,11 @@ class RunConfig(_Strict):
             raise ValueError("workers: at least one worker is needed")
         if len(set(self.workers)) != len(self.workers):
             raise ValueError(f"workers: names must be unique, got {self.workers}")
+        for name in self.workers:  # before anything is written: names become keys
+            try:
+                layout.check_name("worker", name)
+            except ValueError as exc:
+                raise ValueError(f"workers: {exc}") from None
         model = self.model.resolve()
         if self.data.seq_len > model.max_seq_len:
             raise ValueError(
@@ -170,7 +176,7 @@ class RunConfig(_Strict):
         return self.model.resolve()
 
     def dataset_url(self, run_url: str) -> str:
-        return self.data.dataset or f"{run_url.rstrip('/')}/data"
+        return self.data.dataset or f"{run_url.rstrip('/')}/{layout.DATASET}"
 
 
 def _url_without_credentials(url: str | None) -> str | None:
