@@ -26,14 +26,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from flows import LAUNCHER_PID
+from storage import layout
 from storage.errors import ObjectMissing, StoreError
 from storage.objectstore import ObjectStore
 
 log = logging.getLogger(__name__)
 
-CANCEL_KEY = "control/cancel.json"
-CANCELLED_PREFIX = "control/cancelled"
-LAUNCHER_KEY = "members/launcher.json"
+CANCEL_KEY = layout.CANCEL
+LAUNCHER_KEY = layout.LAUNCHER_RECORD
 
 
 def _now() -> str:
@@ -82,7 +82,7 @@ def clear_cancel(store: ObjectStore) -> dict[str, Any] | None:
     if body is None:
         return None
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
-    store.put(f"{CANCELLED_PREFIX}/{stamp}.json", json.dumps({**body, "cleared": _now()}).encode())
+    store.put(layout.cancelled(stamp), json.dumps({**body, "cleared": _now()}).encode())
     store.delete(CANCEL_KEY)
     return body
 

@@ -31,6 +31,7 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
+from storage import layout
 from tracking.settings import (
     artifact_location,
     clip,
@@ -42,7 +43,7 @@ from tracking.settings import (
 
 log = logging.getLogger(__name__)
 
-TRACKING_KEY = "tracking.json"
+TRACKING_KEY = layout.TRACKING
 
 # MLflow error codes that a retry cannot fix.
 PERMANENT_CODES = frozenset({

@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from storage import layout
 from storage.exchange import Exchange
 from workers.status import read_all, read_status
 
-AGGREGATOR = "aggregator"
-TRAIN = "train"  # the train job's status: only its not-logged tracking counts
+AGGREGATOR = layout.AGGREGATOR
+TRAIN = layout.TRAIN  # the train job's status: only its not-logged tracking counts
 
 #: Per-worker columns of the final table: (key in the report, title).
 WORKER_COLUMNS = [

@@ -18,6 +18,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from storage import layout
 from storage.errors import ObjectMissing, StoreError
 from storage.objectstore import ObjectStore
 
@@ -55,7 +56,7 @@ class StatusBoard:
         body = {"name": self.name, "host": socket.gethostname(), "pid": os.getpid(),
                 "started": _now(), **extra}
         try:
-            self.store.put_if_absent(f"members/{self.name}.json", json.dumps(body).encode())
+            self.store.put_if_absent(layout.member(self.name), json.dumps(body).encode())
         except StoreError as exc:  # pragma: no cover - best effort
             log.warning("%s: could not register: %s", self.name, exc)
 
@@ -84,7 +85,7 @@ class StatusBoard:
 
     def _put(self, body: bytes) -> None:
         try:
-            self.store.put(f"members/{self.name}/status.json", body)
+            self.store.put(layout.member_status(self.name), body)
         except StoreError as exc:
             log.warning("%s: could not write its status: %s", self.name, exc)
 
@@ -101,7 +102,7 @@ class StatusBoard:
 
 def read_status(store: ObjectStore, name: str) -> dict[str, Any] | None:
     try:
-        return json.loads(store.get(f"members/{name}/status.json"))
+        return json.loads(store.get(layout.member_status(name)))
     except (ObjectMissing, ValueError):
         return None
 
