@@ -1,6 +1,6 @@
 # The two commands of the README. Each sets everything up first (scripts/setup is a
 # no-op when .venv is current).
-.PHONY: setup run test lint bench
+.PHONY: setup run test lint bench check-image
 
 setup:
 	scripts/setup
@@ -15,3 +15,8 @@ test: setup
 bench: setup
 	.venv/bin/python -m benchmarks.bench_codecs
 	.venv/bin/python -m benchmarks.bench_exchange
+
+# Builds the image with buildah (no Docker engine; as root) and runs the deployments'
+# flows inside it: docs/image.md.
+check-image:
+	scripts/check-image
