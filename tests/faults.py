@@ -367,7 +367,8 @@ def differences(got: Snapshot, want: Snapshot) -> list[str]:
                 out.append(f"fragment {p} final {name}: {bad}")
     for key in sorted(want.means):
         if got.means.get(key) != want.means[key]:
-            out.append(f"fragment {key[0]} round {key[1]}: the committed mean differs")
+            out.append(f"fragment {key[0]} round {key[1]}: the committed mean differs "
+                       f"(weights {got.weights.get(key)}, want {want.weights[key]})")
         if got.weights.get(key) != want.weights[key]:
             out.append(f"fragment {key[0]} round {key[1]}: weights {got.weights.get(key)}, "
                        f"reference {want.weights[key]}")
