@@ -1,13 +1,32 @@
-"""Shared fixtures: one store API, three backends, a real S3 server on loopback.
+"""Shared fixtures: one store API, four backends, real S3 servers on loopback.
+
+S3 tests run against two local servers, started once per session on 127.0.0.1 and
+free ports, only when a test first needs them: ``moto`` (moto's server, a mock of
+S3: tests/s3server.py) and ``seaweedfs`` (SeaweedFS, a real object store:
+storage/seaweed.py). A test that needs one of them only says so with the marker
+``@pytest.mark.s3_backends("moto")`` (and why, beside it). Test ids name the server
+(``[s3-moto]``, ``[s3-seaweedfs]``); select with ``-k seaweedfs`` or ``-m s3``, or
+skip every S3 test with ``-m "not s3"``.
+
+To run every S3 test against MinIO, AWS or another endpoint instead (and start no
+local server)::
+
+    DILOCO_TEST_S3_ENDPOINT=http://127.0.0.1:9000 \\
+    DILOCO_TEST_S3_KEY=... DILOCO_TEST_S3_SECRET=... \\
+    DILOCO_TEST_S3_BUCKET=diloco-test   # optional, this is the default
+    DILOCO_TEST_S3_REGION=us-east-1     # optional, this is the default
+    .venv/bin/pytest -m s3
+
+(ids ``[s3-endpoint]``; the bucket is created if missing; each test writes under a
+fresh prefix and removes it.) See docs/local-s3.md.
 
 Fixtures other test files build on (keep these stable):
 
-``store_url`` (function scope), parametrized over ids ``memory``, ``file``, ``s3``
+``store_url`` (function scope), one test per backend: ``memory``, ``file``,
+``s3-moto``, ``s3-seaweedfs`` (or ``s3-endpoint``)
     ``{"url": str, "storage_options": dict}`` naming a fresh, empty root unique to
     the test: ``memory://diloco-test-<uuid>``, a ``file://`` URL under ``tmp_path``,
-    or ``s3://<bucket>/<uuid>``. The ``s3`` case carries ``pytest.mark.s3`` (select
-    or skip it with ``-m s3`` / ``-m "not s3"``) and starts the S3 server only
-    when first needed.
+    or ``s3://<bucket>/<uuid>``. The S3 cases carry ``pytest.mark.s3``.
 
 ``make_store`` (function scope)
     ``make_store(name="", **overrides) -> ObjectStore`` on the current
@@ -16,15 +35,9 @@ Fixtures other test files build on (keep these stable):
     objects (memory:// is process-global). ``overrides`` go to the constructor
     (``retry=``, ``traffic=``).
 
-``s3_endpoint`` (session scope)
+``s3_endpoint`` (session scope), one test per S3 server
     ``(endpoint_url, storage_options)`` of the S3 server, with the test bucket
-    created. By default moto's server in a child process on 127.0.0.1 (see
-    ``tests/s3server.py``). To test against MinIO or another server instead::
-
-        DILOCO_TEST_S3_ENDPOINT=http://127.0.0.1:9000 \\
-        DILOCO_TEST_S3_KEY=... DILOCO_TEST_S3_SECRET=... \\
-        DILOCO_TEST_S3_BUCKET=diloco-test   # optional, this is the default
-        .venv/bin/pytest -m s3
+    created.
 
 ``s3_bucket`` (session scope)
     The test bucket's name.
@@ -33,6 +46,9 @@ Fixtures other test files build on (keep these stable):
     Environment variables (``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``, ...)
     that point a subprocess, or an ObjectStore built without storage_options, at
     the same server.
+
+``s3_backend`` (session scope)
+    The name of the server of this test: ``moto``, ``seaweedfs`` or ``endpoint``.
 """
 
 from __future__ import annotations
@@ -52,11 +68,48 @@ import pytest
 from storage.objectstore import ObjectStore, RetryPolicy
 
 try:  # tests/ is on sys.path under pytest's default import mode
-    from s3server import DUMMY_KEY, DUMMY_SECRET, REGION, MotoS3Server
+    from s3server import DUMMY_KEY, DUMMY_SECRET, REGION, MotoS3Server, SeaweedS3Server
 except ImportError:  # tests imported as a package
-    from tests.s3server import DUMMY_KEY, DUMMY_SECRET, REGION, MotoS3Server
+    from tests.s3server import DUMMY_KEY, DUMMY_SECRET, REGION, MotoS3Server, SeaweedS3Server
 
 DEFAULT_TEST_BUCKET = "diloco-test"
+#: The local S3 servers every S3 test runs against (see the module docstring).
+LOCAL_S3_BACKENDS = ("moto", "seaweedfs")
+
+
+def s3_backends(node: pytest.Item | Any = None) -> list[str]:
+    """The S3 servers a test runs against: ``["endpoint"]`` when
+    DILOCO_TEST_S3_ENDPOINT names one, else the local servers its
+    ``s3_backends`` marker allows (all of them without the marker)."""
+    if os.environ.get("DILOCO_TEST_S3_ENDPOINT"):
+        return ["endpoint"]
+    marker = node.get_closest_marker("s3_backends") if node is not None else None
+    if marker is None:
+        return list(LOCAL_S3_BACKENDS)
+    unknown = set(marker.args) - set(LOCAL_S3_BACKENDS)
+    if unknown or not marker.args:
+        raise pytest.UsageError(f"{node.nodeid}: s3_backends takes some of "
+                                f"{', '.join(LOCAL_S3_BACKENDS)}, got {marker.args}")
+    return [b for b in LOCAL_S3_BACKENDS if b in marker.args]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "s3_backends(*names): run this S3 test only against these local "
+                   "servers (moto, seaweedfs); say why beside it")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """One test per backend: ``store_url`` over memory, file and the S3 servers, and
+    every test that needs an S3 server (``s3_endpoint``, ``s3_env``, ...) over the
+    S3 servers. Both are parametrized here rather than by ``params=``, so that a
+    marker can narrow the servers of one test."""
+    servers = s3_backends(metafunc.definition)
+    s3_params = [pytest.param(f"s3-{b}", marks=pytest.mark.s3, id=f"s3-{b}") for b in servers]
+    if "store_url" in metafunc.fixturenames:
+        metafunc.parametrize("store_url", ["memory", "file", *s3_params], indirect=True)
+    if "s3_backend" in metafunc.fixturenames:
+        metafunc.parametrize("s3_backend", s3_params, indirect=True, scope="session")
 
 
 @dataclass
@@ -99,23 +152,50 @@ def _target(endpoint: str, key: str | None, secret: str | None, region: str) -> 
     return S3Target(endpoint, bucket, options, env)
 
 
+def _local_target(server: MotoS3Server | SeaweedS3Server) -> S3Target:
+    target = _target(server.endpoint_url, DUMMY_KEY, DUMMY_SECRET, REGION)
+    _create_bucket(target)
+    return target
+
+
 @pytest.fixture(scope="session")
-def _s3_target() -> Iterator[S3Target]:
-    external = os.environ.get("DILOCO_TEST_S3_ENDPOINT")
-    if external:
-        target = _target(
-            external,
-            os.environ.get("DILOCO_TEST_S3_KEY"),
-            os.environ.get("DILOCO_TEST_S3_SECRET"),
-            os.environ.get("DILOCO_TEST_S3_REGION", REGION),
-        )
-        _create_bucket(target)
-        yield target
-        return
+def _moto_target() -> Iterator[S3Target]:
+    """moto's S3 server, started the first time a test needs it."""
     with MotoS3Server() as server:
-        target = _target(server.endpoint_url, DUMMY_KEY, DUMMY_SECRET, REGION)
-        _create_bucket(target)
-        yield target
+        yield _local_target(server)
+
+
+@pytest.fixture(scope="session")
+def _seaweedfs_target() -> Iterator[S3Target]:
+    """SeaweedFS, started the first time a test needs it (in about a second)."""
+    with SeaweedS3Server() as server:
+        yield _local_target(server)
+
+
+@pytest.fixture(scope="session")
+def _endpoint_target() -> S3Target:
+    """The server DILOCO_TEST_S3_ENDPOINT names (MinIO, AWS, ...)."""
+    target = _target(
+        os.environ["DILOCO_TEST_S3_ENDPOINT"],
+        os.environ.get("DILOCO_TEST_S3_KEY"),
+        os.environ.get("DILOCO_TEST_S3_SECRET"),
+        os.environ.get("DILOCO_TEST_S3_REGION", REGION),
+    )
+    _create_bucket(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def s3_backend(request: pytest.FixtureRequest) -> str:
+    """The S3 server of this test: ``moto``, ``seaweedfs`` or ``endpoint`` (the first
+    of `s3_backends` when a test asks for it by ``request.getfixturevalue``)."""
+    param = getattr(request, "param", None) or f"s3-{s3_backends()[0]}"
+    return param.removeprefix("s3-")
+
+
+@pytest.fixture(scope="session")
+def _s3_target(request: pytest.FixtureRequest, s3_backend: str) -> S3Target:
+    return request.getfixturevalue(f"_{s3_backend}_target")
 
 
 @pytest.fixture(scope="session")
@@ -136,10 +216,7 @@ def s3_env(_s3_target: S3Target) -> dict[str, str]:
     return dict(_s3_target.env)
 
 
-@pytest.fixture(
-    params=["memory", "file", pytest.param("s3", marks=pytest.mark.s3)],
-    ids=["memory", "file", "s3"],
-)
+@pytest.fixture
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, Any]]:
     """A fresh, empty store root per test on each backend (see module docstring)."""
     unique = f"diloco-test-{uuid.uuid4().hex[:12]}"
@@ -152,7 +229,8 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[s
         root = tmp_path / "store"
         yield {"url": root.as_uri(), "storage_options": {}}
     else:
-        target: S3Target = request.getfixturevalue("_s3_target")
+        backend = request.param.removeprefix("s3-")
+        target: S3Target = request.getfixturevalue(f"_{backend}_target")
         yield {
             "url": f"s3://{target.bucket}/{unique}",
             "storage_options": dict(target.storage_options),

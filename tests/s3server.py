@@ -1,4 +1,9 @@
-"""A real S3 server for tests and benchmarks: moto's, in a child process.
+"""S3 servers for tests and benchmarks: moto's, in a child process, and SeaweedFS.
+
+`MotoS3Server` is a mock that answers like S3 (kept for fault injection and the
+tests that need a behaviour only moto and AWS have); `SeaweedS3Server` is a real
+object store (storage/seaweed.py) with the same small interface. Both take the
+dummy credentials below.
 
 Why a child process rather than `moto.server.ThreadedMotoServer` in the test
 process: the tests race 8 threads against the server and s3fs runs its own IO
@@ -22,14 +27,17 @@ Usage::
         bucket = server.new_bucket()          # a fresh bucket, for one run
         opts = server.options()               # fsspec/s3fs storage_options
 
-Credentials are dummies (`DUMMY_KEY`, `DUMMY_SECRET`); moto accepts any.
+Credentials are dummies (`DUMMY_KEY`, `DUMMY_SECRET`); moto accepts any, and
+SeaweedFS is started with them as its admin identity.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -134,6 +142,69 @@ class MotoS3Server:
         return name
 
     def __enter__(self) -> MotoS3Server:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class SeaweedS3Server:
+    """SeaweedFS (`storage.seaweed.SeaweedFS`) on ``host`` and free ports, with the
+    interface of `MotoS3Server`; its data lives in ``data_dir`` (default: a temp
+    directory removed at `stop`). ``identities``: more identities, for per-role
+    credentials (see storage/seaweed.py for what SeaweedFS enforces)."""
+
+    def __init__(self, host: str = "127.0.0.1", data_dir: str | os.PathLike[str] | None = None,
+                 identities: tuple[Any, ...] = (), iam_writable: bool = False) -> None:
+        from storage.seaweed import Identity  # noqa: PLC0415 - only this class needs it
+
+        self.host = host
+        self._own_dir = data_dir is None
+        self.data_dir = str(data_dir) if data_dir else ""
+        self.admin = Identity("admin", DUMMY_KEY, DUMMY_SECRET)
+        self.identities = identities
+        self.iam_writable = iam_writable
+        self.endpoint_url = ""
+        self.server: Any = None
+
+    def start(self) -> str:
+        """Start SeaweedFS and return its endpoint URL once it serves S3."""
+        from storage.seaweed import SeaweedFS  # noqa: PLC0415
+
+        if self._own_dir:
+            self.data_dir = tempfile.mkdtemp(prefix="seaweedfs-test-")
+        self.server = SeaweedFS(self.data_dir, host=self.host, admin=self.admin,
+                                identities=self.identities, iam_writable=self.iam_writable)
+        try:
+            self.endpoint_url = self.server.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self.endpoint_url
+
+    def stop(self) -> None:
+        """Stop SeaweedFS (and remove its data if the directory was ours)."""
+        if self.server is not None:
+            self.server.stop()
+        if self._own_dir and self.data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def options(self, endpoint_url: str | None = None) -> dict[str, Any]:
+        """fsspec/s3fs storage options, as `MotoS3Server.options`."""
+        return {**self.server.storage_options(),
+                "endpoint_url": endpoint_url or self.endpoint_url}
+
+    def new_bucket(self, name: str | None = None) -> str:
+        """Create a bucket (default: a fresh ``bench-<hex>`` name) and return its name."""
+        return self.server.create_bucket(name or f"bench-{uuid.uuid4().hex[:8]}")
+
+    def __enter__(self) -> SeaweedS3Server:
         self.start()
         return self
 
