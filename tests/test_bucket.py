@@ -85,6 +85,7 @@ def test_ensure_bucket_from_endpoint_and_environment(
 
 
 @pytest.mark.s3
+@pytest.mark.s3_backends("moto")  # regions are moto/AWS behaviour; SeaweedFS has one
 def test_ensure_bucket_outside_us_east_1_sets_location(s3_endpoint, s3_client, fresh_bucket):
     if os.environ.get("DILOCO_TEST_S3_ENDPOINT"):
         pytest.skip("regions are moto/AWS behaviour; MinIO has one region")

@@ -240,6 +240,7 @@ def s3_reference(data_url, s3_endpoint, s3_bucket, s3_env, tmp_path_factory):
 
 
 @pytest.mark.s3
+@pytest.mark.s3_backends("moto")  # our retries against a proxy's faults, not the server's
 def test_flaky_s3(data_url, s3_endpoint, s3_bucket, s3_env, s3_reference, tmp_path):
     """30% of the jobs' requests fail (503 SlowDown, resets before and after the
     server acted), and once mid-run every request fails for 8 s (longer than one

@@ -114,6 +114,7 @@ def test_a_url_with_credentials_is_refused_by_the_command(in_process, tmp_path, 
 
 
 @pytest.mark.s3
+@pytest.mark.s3_backends("moto")  # refused before any request: one server is enough (time)
 @pytest.mark.parametrize("entry", [
     ["-m", "workers", "--aggregate"],
     ["-m", "workers", "--worker", "region-a"],
@@ -225,6 +226,7 @@ def watch_command_lines(pid: int, seen: dict[int, set[str]], done: threading.Eve
 
 @pytest.mark.slow
 @pytest.mark.s3
+@pytest.mark.s3_backends("moto")  # moto takes any secret, so the marker secret can be the key
 def test_no_secret_from_the_environment_leaks(s3_endpoint, s3_env, s3_bucket, tmp_path):
     token = f"marker-{uuid.uuid4().hex}"
     markers = (SECRET.encode(), token.encode())

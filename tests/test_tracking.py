@@ -438,6 +438,7 @@ def server_tracking(mlflow_server: MlflowServer, tmp_path: Path,
 
 
 @pytest.mark.s3
+@pytest.mark.s3_backends("moto")  # MLflow's own S3 client; one server per module (time)
 def test_tiny_run_on_tracking_server(server_tracking: MlflowServer, s3_endpoint: tuple,
                                      s3_bucket: str, tmp_path: Path) -> None:
     """(2) The same run against `mlflow server` on loopback; the run's store and the
@@ -458,6 +459,7 @@ def test_tiny_run_on_tracking_server(server_tracking: MlflowServer, s3_endpoint:
 
 
 @pytest.mark.s3
+@pytest.mark.s3_backends("moto")  # the module's MLflow server stores artifacts on S3 (time)
 def test_server_stopped_mid_run_does_not_stop_training(
     server_tracking: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
