@@ -1,7 +1,9 @@
 """Deployments on one machine, as in the cloud but on loopback: a Prefect server,
-`diloco deploy` of infra/prefect.yaml (two process work pools, region-a and
-region-b), a `prefect worker` per pool, and a run of the `train` deployment that
-launches its workers and aggregator through `run_deployment` into those pools."""
+`diloco deploy` of infra/prefect.yaml from an unrelated directory (two process work
+pools, region-a and region-b), a `prefect worker` per pool, each in a working
+directory of its own, and a run of the `train` deployment that launches its workers
+and aggregator through `run_deployment` into those pools. The deployments carry no
+path of the deploying machine: the workers import the flows as modules."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 import yaml
 
 from flows.deploy import read_deployments, work_pools
+from infra.deployments import PREFECT_FILE
 
 try:
     from prefect_server import PrefectServer
@@ -35,34 +38,47 @@ MICRO = [
 
 def test_prefect_yaml_declares_a_worker_per_region_sharing_settings():
     """Two example regions, train with its schedules, the aggregator; the shared
-    settings come from anchors (every worker deployment has the same pull step)."""
-    deployments = {d["name"]: d for d in read_deployments()}
+    settings come from anchors; module entrypoints and no pull step, so nothing
+    depends on where the file or the deploying machine's checkout is."""
+    deployments = {d["name"]: d for d in read_deployments(PREFECT_FILE)}
     assert set(deployments) == {"train", "region-a", "region-b", "aggregator"}
     assert work_pools(list(deployments.values())) == ["region-a", "region-b"]
     for region in ("region-a", "region-b"):
         d = deployments[region]
-        assert d["entrypoint"] == "flows/worker.py:worker"
+        assert d["entrypoint"] == "flows.worker.worker"
         assert d["work_pool"]["name"] == region
-        assert d["pull"] == deployments["train"]["pull"]
+        assert d["work_pool"]["job_variables"] == deployments["train"]["work_pool"][
+            "job_variables"]
+    assert deployments["train"]["entrypoint"] == "flows.train.train"
+    assert deployments["aggregator"]["entrypoint"] == "flows.aggregator.aggregator"
     schedules = {s["slug"]: s for s in deployments["train"]["schedules"]}
     assert schedules["nightly-continue"]["parameters"] == {"resume_run": "latest",
                                                            "extra_steps": 600}
-    assert "&pull" in (ROOT / "infra" / "prefect.yaml").read_text()  # an anchor, not copies
-    assert yaml.safe_load((ROOT / "infra" / "prefect.yaml").read_text())["deployments"]
+    text = PREFECT_FILE.read_text()
+    assert "&job_variables" in text  # an anchor, not copies
+    doc = yaml.safe_load(text)
+    # `pull: []`, not an omitted key: prefect deploy would add the deploying cwd
+    assert doc["pull"] == [] and all("pull" not in d for d in deployments.values())
+    assert "DILOCO_WORKDIR" not in text and "set_working_directory" not in text
 
 
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory):
-    """A server with the deployments of infra/prefect.yaml and a worker per pool."""
+    """A server with the deployments of infra/prefect.yaml, made from a directory
+    that is not the checkout, and a worker per pool, each in its own directory."""
     tmp = tmp_path_factory.mktemp("deployments")
     with PrefectServer(tmp / "prefect") as server:
         env = {**server.env, "DILOCO_TRACKING": "off"}  # MLflow has its own tests
-        out = subprocess.run([DILOCO, "deploy"], cwd=ROOT, env=env, text=True,
+        deployer = tmp / "laptop"
+        deployer.mkdir()
+        out = subprocess.run([DILOCO, "deploy"], cwd=deployer, env=env, text=True,
                              capture_output=True, timeout=180)
         assert out.returncode == 0, out.stdout + out.stderr
         extra = {"DILOCO_TRACKING": "off"}
-        with server.worker("region-a", cwd=tmp, env=extra), \
-                server.worker("region-b", cwd=tmp, env=extra):
+        for region in ("region-a", "region-b"):
+            (tmp / region).mkdir()
+        with server.worker("region-a", cwd=tmp / "region-a", env=extra), \
+                server.worker("region-b", cwd=tmp / "region-b", env=extra):
             yield server, env, tmp, out.stdout
 
 
@@ -79,7 +95,7 @@ def worker_logs(server) -> str:
 @pytest.mark.slow
 def test_a_run_through_two_work_pools(deployed):
     server, env, tmp, deploy_output = deployed
-    assert "created work pools: region-a, region-b" in deploy_output
+    assert "created process work pools: region-a, region-b" in deploy_output
     assert "train/train" in deploy_output and "worker/region-b" in deploy_output
     store = tmp / "runs"
     run_url = (store / "d1").as_uri()
@@ -101,6 +117,14 @@ def test_a_run_through_two_work_pools(deployed):
     assert set(seen["states"].values()) == {"COMPLETED"}
     assert seen["relaunched_same_key"] is True
     assert seen["parent"] == "train"
+    # nothing of the deploying machine: module entrypoints, no pull step, no path
+    stored = seen["deployments"]
+    assert {n: d["entrypoint"] for n, d in stored.items()} == {
+        "train": "flows.train.train", "region-a": "flows.worker.worker",
+        "region-b": "flows.worker.worker", "aggregator": "flows.aggregator.aggregator"}
+    for d in stored.values():
+        assert d["path"] is None and not d["pull_steps"], d
+        assert str(ROOT) not in d["stored"] and str(tmp) not in d["stored"]
     status = {n: json.loads((store / "d1" / "members" / n / "status.json").read_text())
               for n in ("region-a", "region-b", "aggregator")}
     assert all(s["state"] == "finished" for s in status.values()), status
@@ -209,6 +233,10 @@ with get_client(sync_client=True) as client:
         if parent is not None:
             out["parent"] = client.read_flow(client.read_flow_run(
                 parent.flow_run_id).flow_id).name
+    out["deployments"] = {
+        d.name: {"entrypoint": d.entrypoint, "path": d.path, "pull_steps": d.pull_steps,
+                 "stored": d.model_dump_json()}
+        for d in client.read_deployments()}
     name, job = next(iter(record["jobs"].items()))
     again = run_deployment(job["deployment"], parameters={"run_url": sys.argv[1]}, timeout=0,
                            idempotency_key=f"{record['key']}:{name}", as_subflow=False)
