@@ -114,6 +114,9 @@ def test_a_run_through_two_work_pools(deployed):
     seen = json.loads(check.stdout.strip().splitlines()[-1])
     assert seen["pools"] == {"region-a": "region-a", "region-b": "region-b",
                              "aggregator": "region-a"}
+    # a queue per role in region A's pool, which its one worker serves whole
+    assert seen["queues"] == {"region-a": "default", "region-b": "default",
+                              "aggregator": "aggregator", "train": "launcher"}
     assert set(seen["states"].values()) == {"COMPLETED"}
     assert seen["relaunched_same_key"] is True
     assert seen["parent"] == "train"
@@ -223,16 +226,18 @@ from storage.objectstore import ObjectStore
 
 record = read_launcher(ObjectStore(sys.argv[1]))
 assert record["backend"] == "deployments", record
-out = {"pools": {}, "states": {}}
+out = {"pools": {}, "queues": {}, "states": {}}
 with get_client(sync_client=True) as client:
     for name, job in record["jobs"].items():
         run = client.read_flow_run(job["flow_run"])
         out["pools"][name] = run.work_pool_name
+        out["queues"][name] = run.work_queue_name
         out["states"][name] = run.state.type.value
         parent = client.read_task_run(run.parent_task_run_id) if run.parent_task_run_id else None
         if parent is not None:
-            out["parent"] = client.read_flow(client.read_flow_run(
-                parent.flow_run_id).flow_id).name
+            train = client.read_flow_run(parent.flow_run_id)
+            out["parent"] = client.read_flow(train.flow_id).name
+            out["queues"]["train"] = train.work_queue_name
     out["deployments"] = {
         d.name: {"entrypoint": d.entrypoint, "path": d.path, "pull_steps": d.pull_steps,
                  "stored": d.model_dump_json()}
