@@ -18,6 +18,7 @@ import sys
 import typer
 
 from cli.bench import bench
+from cli.bucket import bucket_app
 from cli.compare import compare_command
 from cli.data import prepare_data
 from cli.deploy import deploy
@@ -52,6 +53,7 @@ app.command()(deploy)
 app.command("prepare-data")(prepare_data)
 app.command()(bench)
 app.command("compare")(compare_command)
+app.add_typer(bucket_app)
 
 
 if __name__ == "__main__":  # pragma: no cover - the console script calls app()
