@@ -223,7 +223,8 @@ def _setup(s3: Any, bucket: str, prefix: str, rule: dict[str, Any],
     files = ", ".join(policy_file_name(role) for role in documents)
     if not dry_run:
         write_policies(documents, folder)
-    say(f"{would}write {len(documents)} policy documents to {folder}: {files}")
+    say(f"{'would write' if dry_run else 'wrote'} {len(documents)} policy documents to "
+        f"{folder}: {files}")
     done["documents"] = documents
 
     if principals:
@@ -239,9 +240,12 @@ def _setup(s3: Any, bucket: str, prefix: str, rule: dict[str, Any],
             + (f"; {kept} statements of others kept" if kept else ""))
         done["bucket_policy"] = policy
     else:
-        how = ("an S3-compatible server (MinIO: no IAM API in boto3)" if not _is_aws(endpoint)
-               else "AWS: or rerun with --principal ROLE=ARN to install a bucket policy")
-        say(f"attach each document to its role's user ({how}):")
+        if _is_aws(endpoint):
+            say("AWS: attach each document to its role's IAM role (or rerun with "
+                "--principal ROLE=ARN to install them as the bucket policy):")
+        else:
+            say(f"{endpoint} is not AWS; if it is MinIO, give each role a user with its "
+                f"document (boto3 has no MinIO admin API):")
         for line in attach_commands(documents, folder, endpoint=endpoint):
             say(f"  {line}")
     if dry_run:

@@ -22,6 +22,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.bucket import bucket_app
+from infra import setup as bucket_setup
 from infra.bucket import (
     apply_bucket_policy,
     apply_lifecycle,
@@ -410,7 +411,7 @@ def test_setup_creates_the_bucket_its_lifecycle_and_the_documents_once(
         f"created bucket {fresh_bucket}",
         "installed lifecycle rule diloco:team/runs on prefix team/runs/: abort incomplete "
         "multipart uploads after 2 days",
-        f"write 5 policy documents to {out}: viewer.json, launcher.json, aggregator.json, "
+        f"wrote 5 policy documents to {out}: viewer.json, launcher.json, aggregator.json, "
         "worker-eu.json, worker-us.json",
     ]
     rules = s3_client.get_bucket_lifecycle_configuration(Bucket=fresh_bucket)["Rules"]
@@ -501,3 +502,20 @@ def test_policies_command_prints_the_documents_and_the_access_table(tmp_path):
     assert written.exit_code == 0
     assert sorted(p.name for p in Path(tmp_path / "p").iterdir()) == [
         "aggregator.json", "launcher.json", "viewer.json", "worker-eu.json"]
+
+
+def test_how_to_attach_the_documents_depends_on_the_server():
+    aws = bucket_setup.attach_commands(["viewer", "worker:eu"], Path("p"), endpoint=None)
+    assert aws == [
+        "aws iam put-role-policy --role-name ROLE_OF_VIEWER --policy-name diloco-viewer "
+        "--policy-document file://p/viewer.json",
+        "aws iam put-role-policy --role-name ROLE_OF_WORKER_EU --policy-name diloco-worker-eu "
+        "--policy-document file://p/worker-eu.json"]
+    assert bucket_setup.attach_commands(
+        ["viewer"], Path("p"), endpoint="https://s3.eu-west-1.amazonaws.com") == aws[:1]
+    minio = bucket_setup.attach_commands(["worker:eu"], Path("p"), endpoint="http://minio:9000")
+    assert minio == [
+        'mc alias set diloco http://minio:9000 "$ADMIN_USER" "$ADMIN_PASSWORD"',
+        "mc admin policy create diloco diloco-worker-eu p/worker-eu.json",
+        'mc admin user add diloco worker-eu "$PASSWORD_OF_WORKER_EU"',
+        "mc admin policy attach diloco diloco-worker-eu --user worker-eu"]

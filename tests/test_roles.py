@@ -29,7 +29,9 @@ import pytest
 from botocore.exceptions import ClientError
 from cli_runs import SHORT
 from iam_server import IAMS3Server
+from typer.testing import CliRunner
 
+from cli.bucket import bucket_app
 from infra.bucket import policy_file_name, role_policies
 from infra.iam import allowed
 from storage import layout
@@ -95,6 +97,26 @@ def test_each_role_writes_its_own_keys_and_no_other(server):
         assert not _outcome(s3.put_object, Key=outside, Body=b"y"), role
 
 
+def test_setup_on_a_bucket_these_credentials_may_not_use_is_one_line(server, monkeypatch,
+                                                                     tmp_path):
+    """As someone whose keys cannot use the bucket (here: the viewer's; on AWS, a
+    bucket name another account owns): exit 2, one line naming it, nothing written."""
+    _, _, envs = server
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    for name, value in envs[layout.VIEWER].items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "policies"
+    result = CliRunner().invoke(bucket_app, ["setup", f"s3://{BUCKET}/{PREFIX}", "--workers",
+                                             "region-a", "--policies-out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        f"error: bucket '{BUCKET}' exists but is not accessible with these credentials "
+        f"(403); choose another name or fix the credentials")
+    assert not out.exists()
+
+
 # -- a real run, each party on its own credentials ------------------------------------
 
 
@@ -153,9 +175,11 @@ def role_run(server, tmp_path_factory) -> dict[str, Any]:
         cfg = load_config("tiny", _overrides())
         store = ObjectStore(url)
 
+        done = threading.Event()
+
         def cancel_after_a_checkpoint() -> None:  # what `diloco cancel` does
             deadline = time.monotonic() + 240
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not done.is_set():
                 try:
                     steps = [(s or {}).get("step", 0) for s in read_all(store, WORKERS).values()]
                 except Exception:  # noqa: BLE001 - the run is not there yet
@@ -176,6 +200,7 @@ def role_run(server, tmp_path_factory) -> dict[str, Any]:
                            poll_s=0.3, stop_grace_s=60)
         seconds = time.monotonic() - started
     finally:
+        done.set()
         logging.getLogger().removeHandler(warnings)
         patch.undo()
     admin = srv.client("s3", srv.admin)
