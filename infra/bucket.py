@@ -312,22 +312,28 @@ def bucket_policy(
 
     ``principals`` maps a role name from `role_policies` (``"viewer"``,
     ``"launcher"``, ``"aggregator"``, ``"worker:<name>"``) to an AWS principal ARN
-    (or a list). The statements of ``existing`` (the bucket's policy now) are kept,
-    except ours for this prefix, which are replaced.
+    (or a list). The reading statements, the same for every role, appear once with
+    every principal (AWS limits the whole policy to 20 KB). The statements of
+    ``existing`` (the bucket's policy now) are kept, except ours for this prefix,
+    which are replaced.
     """
     workers = [role.split(":", 1)[1] for role in principals if role.startswith("worker:")]
     roles = role_policies(bucket, prefix, workers)
     ours = statement_prefix(bucket, prefix)
     kept = [s for s in (existing or {}).get("Statement", [])
             if not str(s.get("Sid", "")).startswith(ours)]
-    statements = list(kept)
+    readers: list[str] = []
+    writes = []
     for role, arns in principals.items():
         if role not in roles:
             raise ValueError(f"unknown role {role!r}; known: {', '.join(sorted(roles))}")
-        for statement in roles[role]["Statement"]:
-            statements.append({**statement, "Sid": f"{ours}{_tag(role)}{statement['Sid']}",
-                               "Principal": {"AWS": arns}})
-    return {"Version": POLICY_VERSION, "Statement": statements}
+        readers += [arns] if isinstance(arns, str) else arns
+        writes += [{**statement, "Sid": f"{ours}{_tag(role)}{statement['Sid']}",
+                    "Principal": {"AWS": arns}}
+                   for statement in roles[role]["Statement"][len(roles[layout.VIEWER]["Statement"]):]]
+    reads = [{**statement, "Sid": f"{ours}All{statement['Sid']}", "Principal": {"AWS": readers}}
+             for statement in roles[layout.VIEWER]["Statement"]] if readers else []
+    return {"Version": POLICY_VERSION, "Statement": [*kept, *reads, *writes]}
 
 
 def current_bucket_policy(bucket: str, *, client: Any) -> dict[str, Any] | None:
@@ -349,7 +355,7 @@ def apply_bucket_policy(
     client: Any = None,
 ) -> None:
     """Install ``policy`` (e.g. from `bucket_policy`) as the bucket's policy."""
-    text = json.dumps(policy)
+    text = json.dumps(policy, separators=(",", ":"))
     if len(text.encode()) > BUCKET_POLICY_LIMIT:
         raise ValueError(
             f"the bucket policy would be {len(text.encode())} bytes, over AWS's "

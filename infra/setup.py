@@ -193,7 +193,6 @@ def _setup(s3: Any, bucket: str, prefix: str, rule: dict[str, Any],
            documents: dict[str, dict], principals: dict[str, list[str]], *,
            say: Callable[[str], None], dry_run: bool, folder: Path,
            endpoint: str | None) -> dict[str, Any]:
-    would = "would " if dry_run else ""
     done: dict[str, Any] = {"bucket": bucket, "prefix": prefix, "lifecycle": rule}
     exists = bucket_exists(bucket, client=s3)
     if exists:
@@ -233,11 +232,15 @@ def _setup(s3: Any, bucket: str, prefix: str, rule: dict[str, Any],
         mine = statement_prefix(bucket, prefix)
         ours = sum(1 for st in policy["Statement"] if str(st.get("Sid", "")).startswith(mine))
         kept = len(policy["Statement"]) - ours
-        if not dry_run:
+        what = (f"the bucket policy: {ours} statements for {', '.join(principals)}"
+                + (f"; {kept} statements of others kept" if kept else ""))
+        if policy == existing:
+            say(f"{what}: already in place")
+        elif dry_run:
+            say(f"would install {what}")
+        else:
             apply_bucket_policy(bucket, policy, client=s3)
-        say(f"{would}{'install' if dry_run else 'installed'} the bucket policy: "
-            f"{ours} statements for {', '.join(principals)}"
-            + (f"; {kept} statements of others kept" if kept else ""))
+            say(f"installed {what}")
         done["bucket_policy"] = policy
     else:
         if _is_aws(endpoint):

@@ -266,6 +266,9 @@ def test_bucket_policy_replaces_its_own_statements_and_keeps_others():
     policy = bucket_policy("bkt", "runs", principals)
     sids = [s["Sid"] for s in policy["Statement"]]
     assert len(sids) == len(set(sids)) and all("Principal" in s for s in policy["Statement"])
+    # what every role may (read, list) is one statement each, for all principals
+    assert [s["Principal"]["AWS"] for s in policy["Statement"] if "List" in s["Sid"]] == [
+        ["arn:aws:iam::1:user/viewer", "arn:aws:iam::1:role/w1", "arn:aws:iam::2:role/w1"]]
     key = "runs/r/" + layout.delta_commit(0, 3, "w1")
     assert allowed(policy, "s3:PutObject", "bkt", key, principal="arn:aws:iam::2:role/w1")
     assert not allowed(policy, "s3:PutObject", "bkt", key, principal="arn:aws:iam::1:user/viewer")
@@ -278,7 +281,8 @@ def test_bucket_policy_replaces_its_own_statements_and_keeps_others():
     again = bucket_policy("bkt", "runs", {"launcher": "arn:aws:iam::1:role/ops"}, existing=existing)
     assert again["Statement"][0] == foreign
     assert all(s in again["Statement"] for s in other_prefix["Statement"])
-    roles_now = {s["Principal"]["AWS"] for s in again["Statement"][1:]}
+    roles_now = {arn for s in again["Statement"][1:] for arn in _normal({"Statement": [s]})[0][
+        "Principal"]["AWS"]}
     assert roles_now == {"arn:aws:iam::1:role/ops", "arn:aws:iam::1:user/v"}  # w1 replaced
     with pytest.raises(ValueError, match="unknown role"):
         bucket_policy("bkt", "runs", {"admin": "arn:aws:iam::1:user/x"})
@@ -445,7 +449,7 @@ def test_setup_installs_the_bucket_policy_for_principals(s3_user_env, s3_client,
                             *[f"--principal={role}={arn}" for role, arn in arns.items()])
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines()[-1] == (
-        "installed the bucket policy: 8 statements for launcher, worker:eu; "
+        "installed the bucket policy: 6 statements for launcher, worker:eu; "
         "1 statements of others kept")
     stored = json.loads(s3_client.get_bucket_policy(Bucket=fresh_bucket)["Policy"])
     assert _normal(stored) == _normal(bucket_policy(
