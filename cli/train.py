@@ -29,17 +29,23 @@ from cli.console import (
     user_errors,
 )
 from cli.progress import LiveProgress, print_report
+from cli.store import describe, local_s3, read_back_hint
 from flows.cancel import live_local_jobs
 from flows.control import cancel_request, clear_cancel, read_launcher
 from storage.backends import refuse_credentials
 from storage.errors import StoreError
+from storage.local_s3 import BUCKET as LOCAL_S3_BUCKET
+from storage.local_s3 import LOCAL_S3
+from storage.local_s3 import STORE_URL as LOCAL_S3_URL
 from workers.report import build_report, snapshot
 from workers.status import read_status
 
 
 def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: bool,
-           storage_options: dict | None = None) -> None:
-    """Run the train flow with a live display, then print the figures."""
+           storage_options: dict | None = None,
+           hints: list[tuple[str, str]] | None = None) -> None:
+    """Run the train flow with a live display, then print the figures (and ``hints``,
+    lines of the "where" table)."""
     quiet_logs(verbose)
     # Prefect and torch: imported here, after quiet_logs (see the package docstring).
     from flows.server import tie_temporary_server  # noqa: PLC0415
@@ -81,7 +87,7 @@ def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: 
                  where=[("store", where), ("status", f"diloco status {_run_ref(run_url)}"),
                         ("MLflow", mlflow_hint()), ("Prefect", prefect_hint())]
                  + ([("resume", f"diloco resume {_run_ref(run_url)}")]
-                    if outcome != "finished" else []))
+                    if outcome != "finished" else []) + (hints or []))
     if outcome == "failed":
         raise typer.Exit(EXIT_FAILED)
     if outcome == "cancelled":
@@ -112,6 +118,10 @@ def run(
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", metavar="KEY=VALUE",
         help="override a config field, e.g. --set train.steps=100 (repeatable)")] = None,
+    store: Annotated[str | None, typer.Option(
+        "--store", metavar="URL|local-s3",
+        help="where runs are created (as --set store=URL); local-s3: S3 on this machine, "
+             "SeaweedFS serving runs/.seaweedfs while the command runs")] = None,
     run_url: Annotated[str | None, typer.Option(
         "--run-url", help="where the run lives (default: <store>/<name>-<time>)")] = None,
     backend: Annotated[Backend, typer.Option(
@@ -131,9 +141,51 @@ def run(
     """Train: create a run, launch its workers and aggregator, show progress, report.
 
     With no arguments: the tiny recipe on two local "regions", the store in runs/,
-    Prefect without a server to install, MLflow on SQLite (mlflow.db).
+    Prefect without a server to install, MLflow on SQLite (mlflow.db). With
+    --store local-s3, the same on a real S3 server of this machine.
     """
     quiet_logs(verbose)
+    overrides = [*(overrides or []), *([f"store={store}"] if store is not None else [])]
+    if _store_override(overrides) != LOCAL_S3:
+        _start(config, overrides, run_url, backend, nproc, continue_from, extra_steps, no_eval,
+               verbose)
+        return
+    if backend is not Backend.local:
+        raise fail("--store local-s3 is served on this machine's loopback, which only local "
+                   "jobs reach: use --backend local, or a bucket every region reaches")
+    overrides = [*overrides, f"store={LOCAL_S3_URL}"]
+    from workers.config import load_config  # noqa: PLC0415 - torch
+
+    try:  # what is wrong is said before anything is served
+        if run_url:
+            refuse_credentials(run_url, what="--run-url")
+            if not run_url.startswith(f"s3://{LOCAL_S3_BUCKET}/"):
+                raise fail(f"--run-url {run_url} is not in the local-s3 store: leave it "
+                           f"out, or give s3://{LOCAL_S3_BUCKET}/<path>")
+        if not continue_from:
+            load_config(config, overrides)
+    except user_errors() as exc:
+        raise fail(str(exc)) from None
+    with local_s3() as served:
+        console.print(describe(served), highlight=False)
+        _start(config, overrides, run_url, backend, nproc, continue_from, extra_steps, no_eval,
+               verbose, hints=[("local-s3", read_back_hint(served))])
+
+
+def _store_override(overrides: list[str]) -> str | None:
+    """The value of the last ``store=...`` override, if any."""
+    found = None
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep and key.strip() == "store":
+            found = value.strip()
+    return found
+
+
+def _start(config: str, overrides: list[str], run_url: str | None, backend: Backend,
+           nproc: int, continue_from: str | None, extra_steps: int | None, no_eval: bool,
+           verbose: bool, hints: list[tuple[str, str]] | None = None) -> None:
+    """Resolve the run (its config, URL and dataset), then drive it."""
     # torch (see the package docstring)
     from workers.config import load_config  # noqa: PLC0415
     from workers.locate import absolute, new_run_url, reach_store, resolve_run  # noqa: PLC0415
@@ -170,7 +222,7 @@ def run(
         flow_kwargs.update(resume_run=parent, extra_steps=extra_steps, overrides=overrides)
     else:
         flow_kwargs["config"] = cfg.model_dump(mode="json")
-    _drive(run_url=url, flow_kwargs=flow_kwargs, resume=False, verbose=verbose)
+    _drive(run_url=url, flow_kwargs=flow_kwargs, resume=False, verbose=verbose, hints=hints)
 
 
 def _exists(url: str) -> bool:

@@ -15,7 +15,7 @@ It runs in a session of its own, so a Ctrl-C in the terminal reaches the jobs
 (which then checkpoint into this store) and not the store under them; and it
 asks the kernel for a parent-death signal (``PR_SET_PDEATHSIG``, as
 flows/server.py does for Prefect's server), so it never outlives a killed test or
-command. `stop` sends SIGTERM to its process group (about 2 s).
+command. `stop` sends SIGTERM to its process group and waits for a clean exit.
 
 What SeaweedFS 4.48 does, as measured with this module (tests/test_seaweed.py
 checks each point):
@@ -258,9 +258,11 @@ class SeaweedFS:
         return {"endpoint_url": self.endpoint, "key": who.access_key, "secret": who.secret_key,
                 "client_kwargs": {"region_name": REGION}}
 
-    def client(self, identity: Identity | None = None, service: str = "s3") -> Any:
+    def client(self, identity: Identity | None = None, service: str = "s3",
+               **timeouts: float) -> Any:
         """A boto3 client (``s3``, or ``iam`` for the IAM API) of this server as
-        ``identity`` (default: the admin), making one attempt per call."""
+        ``identity`` (default: the admin), making one attempt per call;
+        ``timeouts``: botocore's ``connect_timeout`` and ``read_timeout``."""
         import boto3  # noqa: PLC0415 - for those who ask
         from botocore.config import Config  # noqa: PLC0415
 
@@ -268,7 +270,7 @@ class SeaweedFS:
         return boto3.client(service, endpoint_url=self.endpoint, region_name=REGION,
                             aws_access_key_id=who.access_key,
                             aws_secret_access_key=who.secret_key,
-                            config=Config(retries={"total_max_attempts": 1}))
+                            config=Config(retries={"total_max_attempts": 1}, **timeouts))
 
     def create_bucket(self, name: str) -> str:
         """Create bucket ``name`` unless it exists; its name."""
@@ -351,7 +353,8 @@ class SeaweedFS:
         """Until a signed ListBuckets succeeds: the S3 gateway, the filer behind it
         and the admin's credentials all work."""
         assert self._running is not None
-        client = self.client()
+        # short timeouts: a port that accepts but never answers must not hide an exit
+        client = self.client(connect_timeout=2, read_timeout=5)
         deadline = time.monotonic() + self.startup_timeout
         last = ""
         while True:
@@ -382,9 +385,11 @@ class SeaweedFS:
         """Whether the server process is alive."""
         return self._running is not None and self._running.proc.poll() is None
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM to the server's process group, SIGKILL after ``timeout`` seconds;
-        then its sockets and temp files are removed."""
+        then its sockets and temp files are removed. A clean stop takes about 2 s,
+        and up to 12 s when weed's maintenance worker is busy (weed waits 10 s for
+        its admin server)."""
         running, self._running = self._running, None
         if running is None:
             return
