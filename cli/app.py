@@ -23,6 +23,7 @@ from cli.compare import compare_command
 from cli.data import prepare_data
 from cli.deploy import deploy
 from cli.status import cancel, status
+from cli.store import store_app
 from cli.train import resume, run
 
 HELP = """Train one language model across regions with Streaming DiLoCo.
@@ -54,6 +55,7 @@ app.command("prepare-data")(prepare_data)
 app.command()(bench)
 app.command("compare")(compare_command)
 app.add_typer(bucket_app)
+app.add_typer(store_app)
 
 
 if __name__ == "__main__":  # pragma: no cover - the console script calls app()
