@@ -1,12 +1,16 @@
 # The two commands of the README. Each sets everything up first (scripts/setup is a
 # no-op when .venv is current).
-.PHONY: setup run test lint bench check-image
+.PHONY: setup run test lint bench check-image local-s3
 
 setup:
 	scripts/setup
 
 run: setup
 	.venv/bin/diloco run
+
+# The same run on S3: SeaweedFS serves runs/.seaweedfs while it runs (docs/local-s3.md).
+local-s3: setup
+	.venv/bin/diloco run --store local-s3
 
 test: setup
 	.venv/bin/ruff check .
