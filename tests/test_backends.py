@@ -1,6 +1,6 @@
 """The whole protocol on every backend: replicas, the aggregator and a restart, on
-memory://, a local directory and an S3 server on loopback (moto, or the endpoint in
-DILOCO_TEST_S3_ENDPOINT such as MinIO)."""
+memory://, a local directory and two S3 servers on loopback (moto's, and SeaweedFS,
+a real object store), or the endpoint in DILOCO_TEST_S3_ENDPOINT such as MinIO."""
 
 from __future__ import annotations
 

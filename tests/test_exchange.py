@@ -1,7 +1,8 @@
 """The exchange protocol on every backend: what workers and aggregators rely on.
 
-Every test runs on memory://, file:// and s3:// (moto's server on loopback, or
-DILOCO_TEST_S3_ENDPOINT) through the ``make_store`` fixture of conftest.py. Each
+Every test runs on memory://, file:// and s3:// (moto's server and SeaweedFS on
+loopback, or DILOCO_TEST_S3_ENDPOINT) through the ``make_store`` fixture of
+conftest.py. Each
 simulated party (workers w0, w1, w2 and the aggregator ``agg``) has its own
 `ObjectStore`, so traffic is counted per party as it would be across regions; a
 separate ``vandal`` store damages objects the way a bad disk, an interrupted

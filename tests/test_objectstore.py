@@ -1,7 +1,8 @@
 """ObjectStore on every backend: the guarantees the exchange protocol relies on.
 
-Each test runs on memory://, file:// and s3:// (moto's server on loopback, or
-DILOCO_TEST_S3_ENDPOINT) through the ``make_store`` fixture of conftest.py.
+Each test runs on memory://, file:// and s3:// (moto's server and SeaweedFS on
+loopback, or DILOCO_TEST_S3_ENDPOINT) through the ``make_store`` fixture of
+conftest.py; the S3-only tests use ``s3_endpoint``, on both servers too.
 Run: ``.venv/bin/pytest tests/test_objectstore.py -q``.
 """
 
