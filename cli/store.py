@@ -73,7 +73,10 @@ def describe(store: LocalS3) -> str:
 
 def read_back_hint(store: LocalS3) -> str:
     """How to read the store after this command: serve it, source its variables."""
-    return f"diloco store serve, then in another shell: source {shown(str(store.env_file))}"
+    source = f"source {shown(str(store.env_file))}"
+    if store.server is None:
+        return f"while diloco store serve runs (pid {store.served_by.get('pid')}): {source}"
+    return f"diloco store serve, then in another shell: {source}"
 
 
 @store_app.command()

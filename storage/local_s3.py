@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import json
 import os
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -130,10 +131,7 @@ class LocalS3:
         return self
 
     def _attach(self) -> LocalS3:
-        try:
-            record = json.loads((self.folder / "server.json").read_text())
-        except (OSError, ValueError):
-            record = {}
+        record = self._record()
         who = f"pid {record.get('pid', '?')}"
         if self.purpose == "serve":
             raise LocalS3Busy(f"{self.folder} is already served at "
@@ -145,6 +143,20 @@ class LocalS3:
                 f"then every command uses that one")
         self.served_by = record
         return self
+
+    def _record(self, patience: float = 60.0) -> dict[str, Any]:
+        """What the process holding the lock wrote about its server; it may still be
+        starting it (about a second), so this waits for the record while the lock
+        is held, up to ``patience`` seconds."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                return json.loads((self.folder / "server.json").read_text())
+            except (OSError, ValueError):
+                pass
+            if not _locked(self.folder / "lock") or time.monotonic() > deadline:
+                return {}
+            time.sleep(0.2)
 
     def _serve(self) -> None:
         log = self.folder / "weed.log"
@@ -196,6 +208,18 @@ class LocalS3:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def _locked(path: Path) -> bool:
+    """Whether another open file holds the lock on ``path``."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def _write_private(path: Path, text: str) -> None:
