@@ -1,5 +1,5 @@
 """``diloco bucket``: a bucket ready for runs, and the least-privilege documents of
-each role (infra/setup.py and infra/bucket.py do the work; this module prints).
+each role (infra/setup.py and infra/policies.py do the work; this module prints).
 
     diloco bucket setup s3://my-bucket/runs --workers region-a,region-b --dry-run
     diloco bucket setup s3://my-bucket/runs --workers region-a,region-b \\
@@ -56,8 +56,8 @@ def setup_command(
 ) -> None:
     """Create the bucket if missing, install the lifecycle rule, write the per-role
     policy documents and, with --principal, install them as the bucket policy."""
-    from infra.bucket import parse_principals  # noqa: PLC0415 - boto3, for this command only
-    from infra.setup import setup  # noqa: PLC0415
+    from infra.policies import parse_principals  # noqa: PLC0415
+    from infra.setup import setup  # noqa: PLC0415 - boto3, for this command only
 
     try:
         setup(url, workers.split(","), say=_say, dry_run=dry_run, expire_days=expire_days,
@@ -76,7 +76,7 @@ def policies_command(
         help="write one <role>.json per role into this folder (default: print them)")] = None,
 ) -> None:
     """The policy document of each role, and what each allows; nothing is sent."""
-    from infra.bucket import access_table, role_policies, write_policies  # noqa: PLC0415
+    from infra.policies import access_table, role_policies, write_policies  # noqa: PLC0415
     from infra.setup import parse_url  # noqa: PLC0415
 
     try:

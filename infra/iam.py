@@ -1,6 +1,6 @@
 """What an S3 policy document allows: the part of IAM's evaluation our documents use.
 
-`infra.bucket` writes the documents; this module reads them back the way AWS
+`infra.policies` writes the documents; this module reads them back the way AWS
 does, so that the tests and ``diloco bucket setup --dry-run`` can say what each
 role may do without asking a server (moto's server enforces identity policies
 too, with gaps: see tests/iam_server.py). Supported, as IAM defines them:

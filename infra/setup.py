@@ -7,7 +7,7 @@ in this order, saying one line per action through ``say``:
    is an error);
 2. install the lifecycle rule of the prefix (abort incomplete multipart uploads,
    optionally expire objects), keeping the bucket's other rules;
-3. write one policy document per role (`infra.bucket.role_policies`: viewer,
+3. write one policy document per role (`infra.policies.role_policies`: viewer,
    launcher, aggregator, one per worker) into a folder;
 4. with principals (``ROLE=ARN``, AWS): install them as the bucket's policy,
    keeping the statements of others. Without: print how to attach the documents,
@@ -37,17 +37,19 @@ import boto3
 from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
 
 from infra.bucket import (
-    access_table,
     apply_bucket_policy,
     apply_lifecycle,
     bucket_exists,
-    bucket_policy,
-    check_workers,
-    clean_prefix,
     current_bucket_policy,
     ensure_bucket,
     lifecycle_rule,
     lifecycle_rules,
+)
+from infra.policies import (
+    access_table,
+    bucket_policy,
+    check_workers,
+    clean_prefix,
     policy_file_name,
     role_policies,
     statement_prefix,

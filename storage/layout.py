@@ -28,7 +28,7 @@
     viewer    reads everything, writes nothing
 
 The functions below build the keys; the writers use them, and `owner` tells for
-any key who may write it. The bucket policies of each role (infra/bucket.py) are
+any key who may write it. The bucket policies of each role (infra/policies.py) are
 derived from `KEYS`, so a key added here is granted to its owner and denied to
 everyone else, and a key written without being declared here is caught by the
 tests (tests/test_roles.py checks every key of a real run).

@@ -1,6 +1,6 @@
-"""Bucket set-up: infra/bucket.py (create, lifecycle, the per-role documents derived
-from storage/layout.py), infra/iam.py (what a document allows) and ``diloco bucket``,
-against the S3 server of the tests (the local stack's compose file is checked in
+"""Bucket set-up: infra/bucket.py (create, lifecycle, bucket policy), infra/policies.py
+(the per-role documents derived from storage/layout.py), infra/iam.py (what a
+document allows) and ``diloco bucket``, against the S3 servers of the tests (the local stack's compose file is checked in
 test_compose.py; the documents against a server that enforces them, and against
 every key of a real run, in test_roles.py).
 

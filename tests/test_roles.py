@@ -1,7 +1,7 @@
 """The bucket roles against a server that enforces them, and against a real run.
 
 moto's server, enforcing IAM (tests/iam_server.py), with one IAM user per role
-holding the document `infra.bucket.role_policies` derives from
+holding the document `infra.policies.role_policies` derives from
 `storage.layout.KEYS`:
 
 - every kind of key: its owner may write it (and delete it where it prunes),
@@ -32,8 +32,8 @@ from iam_server import IAMS3Server
 from typer.testing import CliRunner
 
 from cli.bucket import bucket_app
-from infra.bucket import policy_file_name, role_policies
 from infra.iam import allowed
+from infra.policies import policy_file_name, role_policies
 from storage import layout
 
 BUCKET, PREFIX = "diloco-roles", "runs"
@@ -53,6 +53,52 @@ def server() -> Any:
         envs = {role: srv.user(policy_file_name(role)[: -len(".json")], doc)
                 for role, doc in documents.items()}
         yield srv, documents, envs
+
+
+# -- the table ---------------------------------------------------------------------------
+
+
+def test_every_key_the_layout_builds_is_declared_once_with_its_writer():
+    """The functions the writers call and the table the policies come from agree."""
+    built = {
+        layout.MANIFEST: "launcher",
+        f"{layout.global_init(2)}.json": "launcher",
+        f"{layout.global_init(2)}/5f0c/params/c/0": "launcher",
+        f"{layout.DATASET}/train/tokens/zarr.json": "launcher",
+        layout.TRACKING: "launcher",
+        layout.LAUNCHER_RECORD: "launcher",
+        layout.member_status(layout.TRAIN): "launcher",
+        layout.CANCEL: "launcher",
+        layout.cancelled("20260101T000000Z"): "launcher",
+        layout.mean_payload(2, 13, "aggregator", "5f0c") + "/c/0": "aggregator",
+        layout.mean_commit(2, 13): "aggregator",
+        layout.rejected(2, 13, "eu"): "aggregator",
+        layout.global_commit(2, 13): "aggregator",
+        layout.global_state(2, 13) + "/5f0c/params/zarr.json": "aggregator",
+        layout.member(layout.AGGREGATOR): "aggregator",
+        layout.member_status(layout.AGGREGATOR): "aggregator",
+        layout.delta_payload(2, 13, "eu", "5f0c") + "/c/0": "worker:eu",
+        layout.delta_commit(2, 13, "eu"): "worker:eu",
+        layout.member("eu"): "worker:eu",
+        layout.member_status("eu"): "worker:eu",
+        layout.worker_checkpoints("eu") + "/00000120.json": "worker:eu",
+        layout.worker_checkpoints("eu") + "/00000120/5f0c/adam/c/0": "worker:eu",
+    }
+    assert {key: layout.owner(key) for key in built} == built
+    assert {layout.declared(key)[0] for key in built} == set(layout.KEYS)
+    for pattern in layout.KEYS:  # no key matches two patterns
+        assert [p for p in layout.KEYS if p.match(pattern.example()) is not None] == [pattern]
+    for key in ("members/launcher/status.json", "frag/0/r000001/other.json", "logs/x.log",
+                "frag/0/r1/mean.json", "workers/eu/ckpt/latest.json"):
+        with pytest.raises(layout.UndeclaredKey, match="not declared"):
+            layout.owner(key)
+
+
+@pytest.mark.parametrize("name", ["aggregator", "launcher", "train"])
+def test_a_worker_cannot_take_another_partys_name(name):
+    with pytest.raises(ValueError, match="reserved"):
+        layout.check_name("worker", name)
+    assert layout.check_name("writer", name) == name  # the aggregator's writer name
 
 
 def _outcome(method: Any, **kwargs: Any) -> bool:
