@@ -53,6 +53,9 @@ class MotoS3Server:
     """moto's S3 server in a child process on ``host`` (any local address) and a free
     port."""
 
+    #: The child's script: it serves as `_serve` does (a subclass may run its own).
+    child_script = __file__
+
     def __init__(self, host: str = "127.0.0.1", startup_timeout: float = 30.0) -> None:
         self.host = host
         self.startup_timeout = startup_timeout
@@ -68,7 +71,7 @@ class MotoS3Server:
             AWS_DEFAULT_REGION=REGION,
         )
         self._proc = subprocess.Popen(
-            [sys.executable, __file__, self.host],
+            [sys.executable, self.child_script, self.host],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
