@@ -1,4 +1,5 @@
-"""An S3 server that enforces IAM policies: moto's, in a child process, with one IAM
+"""An S3 server that enforces IAM policies: moto's (tests/s3server.py's MotoS3Server,
+running this file as its child), with one IAM
 user per role.
 
 moto's server checks every S3 request against the identity policies of the IAM
@@ -33,38 +34,27 @@ Usage::
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import urllib.request
-from types import TracebackType
 from typing import Any
 
-REGION = "us-east-1"
+from s3server import REGION, MotoS3Server, _serve
+
 ADMIN_POLICY = {"Version": "2012-10-17", "Statement": [
     {"Effect": "Allow", "Action": ["s3:*", "iam:*"], "Resource": "*"}]}
 
 
-class IAMS3Server:
+class IAMS3Server(MotoS3Server):
     """moto's server on 127.0.0.1 and a free port, enforcing IAM from `start` on."""
 
+    child_script = __file__
+
     def __init__(self) -> None:
-        self.endpoint_url = ""
+        super().__init__()
         self.admin: dict[str, str] = {}
-        self._proc: subprocess.Popen[str] | None = None
 
     def start(self) -> str:
-        env = {**os.environ, "AWS_ACCESS_KEY_ID": "bootstrap",
-               "AWS_SECRET_ACCESS_KEY": "bootstrap", "AWS_DEFAULT_REGION": REGION}
-        self._proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                      text=True, env=env)
-        assert self._proc.stdout is not None
-        line = self._proc.stdout.readline().strip()
-        if not line.startswith("PORT "):
-            self.stop()
-            raise RuntimeError(f"moto server did not start (said {line!r})")
-        self.endpoint_url = f"http://127.0.0.1:{int(line.split()[1])}"
+        super().start()
         # Before authentication is on, anyone may create the first user.
         self.admin = self._create_user("admin", ADMIN_POLICY, {"AWS_ACCESS_KEY_ID": "x",
                                                                "AWS_SECRET_ACCESS_KEY": "x"})
@@ -97,33 +87,8 @@ class IAMS3Server:
     def user(self, name: str, policy: dict[str, Any]) -> dict[str, str]:
         """Create IAM user ``name`` with ``policy`` as its only policy; returns the
         environment a process needs to act as it (keys, endpoint, region)."""
-        return {**self._create_user(name, policy, self.admin), **self.environment()}
-
-    def environment(self) -> dict[str, str]:
-        return {"AWS_ENDPOINT_URL_S3": self.endpoint_url, "AWS_DEFAULT_REGION": REGION}
-
-    def stop(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        try:
-            if proc.stdin is not None:
-                proc.stdin.close()
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        finally:
-            if proc.stdout is not None:
-                proc.stdout.close()
-
-    def __enter__(self) -> IAMS3Server:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
+        return {**self._create_user(name, policy, self.admin),
+                "AWS_ENDPOINT_URL_S3": self.endpoint_url, "AWS_DEFAULT_REGION": REGION}
 
 
 def _align_with_aws() -> None:
@@ -134,6 +99,7 @@ def _align_with_aws() -> None:
     from moto.core.authorization import ActionAuthenticatorMixin
     from moto.iam.access_control import IAMPolicyStatement
 
+    # written here, not taken from infra.iam, so that the server checks that code
     def iam_match(pattern: str, value: str) -> re.Match[str] | None:
         body = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
         return re.match(f"^{body}$", value, re.DOTALL)
@@ -153,21 +119,6 @@ def _align_with_aws() -> None:
     ActionAuthenticatorMixin._authenticate_and_authorize_s3_action = each_key
 
 
-def _serve() -> None:
-    """Child-process entry point: serve until stdin closes."""
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
+if __name__ == "__main__":  # the child: moto aligned with AWS, then s3server's _serve
     _align_with_aws()
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    _, port = server.get_host_and_port()
-    print(f"PORT {port}", flush=True)
-    sys.stdin.read()  # returns at EOF: the parent closed the pipe or died
-    server.stop()
-
-
-if __name__ == "__main__":
-    _serve()
+    _serve(sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1")
