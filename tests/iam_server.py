@@ -1,6 +1,5 @@
 """An S3 server that enforces IAM policies: moto's (tests/s3server.py's MotoS3Server,
-running this file as its child), with one IAM
-user per role.
+running this file as its child), with one IAM user per role.
 
 moto's server checks every S3 request against the identity policies of the IAM
 user whose access key signed it, once its authentication is switched on
