@@ -42,14 +42,36 @@ import time
 import urllib.request
 import uuid
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 DUMMY_KEY = "testing"
 DUMMY_SECRET = "testing"
 REGION = "us-east-1"
 
 
-class MotoS3Server:
+class _Served:
+    """A server that starts on entering a ``with`` block and stops on leaving it."""
+
+    def start(self) -> str:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class MotoS3Server(_Served):
     """moto's S3 server in a child process on ``host`` (any local address) and a free
     port."""
 
@@ -144,20 +166,8 @@ class MotoS3Server:
         ).create_bucket(Bucket=name)
         return name
 
-    def __enter__(self) -> MotoS3Server:
-        self.start()
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
-class SeaweedS3Server:
+class SeaweedS3Server(_Served):
     """SeaweedFS (`storage.seaweed.SeaweedFS`) on ``host`` and free ports, with the
     interface of `MotoS3Server`; its data lives in ``data_dir`` (default: a temp
     directory removed at `stop`). ``identities``: more identities, for per-role
@@ -206,18 +216,6 @@ class SeaweedS3Server:
     def new_bucket(self, name: str | None = None) -> str:
         """Create a bucket (default: a fresh ``bench-<hex>`` name) and return its name."""
         return self.server.create_bucket(name or f"bench-{uuid.uuid4().hex[:8]}")
-
-    def __enter__(self) -> SeaweedS3Server:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def _serve(host: str) -> None:
