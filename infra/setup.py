@@ -34,6 +34,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import boto3
+from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
 
 from infra.bucket import (
@@ -140,7 +141,10 @@ def _client(endpoint: str | None, region: str | None) -> Any:
     if session.get_credentials() is None:
         raise SetupError("no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
                          "(or AWS_PROFILE) in the environment")
-    return session.client("s3", endpoint_url=endpoint, region_name=region)
+    # a few quick retries: an endpoint that refuses connections is said in seconds
+    return session.client("s3", endpoint_url=endpoint, region_name=region,
+                          config=Config(connect_timeout=10, retries={"max_attempts": 3,
+                                                                     "mode": "standard"}))
 
 
 def setup(

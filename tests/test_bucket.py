@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import uuid
 from contextlib import suppress
 from pathlib import Path
@@ -523,3 +524,16 @@ def test_how_to_attach_the_documents_depends_on_the_server():
         "mc admin policy create diloco diloco-worker-eu p/worker-eu.json",
         'mc admin user add diloco worker-eu "$PASSWORD_OF_WORKER_EU"',
         "mc admin policy attach diloco diloco-worker-eu --user worker-eu"]
+
+
+def test_setup_against_an_endpoint_nobody_answers_is_one_line(tmp_path, monkeypatch):
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "someone")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    result = _diloco_bucket("setup", "s3://bkt/runs", "--workers", "a", "--endpoint",
+                            f"http://127.0.0.1:{port}", "--policies-out", str(tmp_path / "p"))
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: cannot reach the S3 endpoint: Could not connect")
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "p").exists()
