@@ -186,11 +186,15 @@ class KeyPattern:
 
     def __post_init__(self) -> None:
         unknown = set(_FIELD.findall(self.template)) - set(FIELDS)
-        if unknown or self.owner not in (LAUNCHER, AGGREGATOR, WORKER):
-            raise ValueError(f"key pattern {self.template!r}: fields {unknown or ''} "
-                             f"owner {self.owner!r}")
+        if unknown:
+            raise ValueError(f"key pattern {self.template!r}: unknown fields {sorted(unknown)}; "
+                             f"known: {', '.join(FIELDS)}")
+        if self.owner not in (LAUNCHER, AGGREGATOR, WORKER):
+            raise ValueError(f"key pattern {self.template!r}: owner {self.owner!r} is not "
+                             f"{LAUNCHER}, {AGGREGATOR} or {WORKER} (the {VIEWER} writes nothing)")
         if self.owner == WORKER and "{worker}" not in self.template:
-            raise ValueError(f"key pattern {self.template!r}: a worker's key names it")
+            raise ValueError(f"key pattern {self.template!r}: a worker's key names the worker "
+                             f"({{worker}})")
 
     @cached_property
     def regex(self) -> re.Pattern[str]:
@@ -259,7 +263,7 @@ KEYS: tuple[KeyPattern, ...] = (
 )
 
 
-class UndeclaredKey(KeyError):
+class UndeclaredKey(LookupError):
     """A key no pattern of `KEYS` declares: no role's policy grants writing it."""
 
 
