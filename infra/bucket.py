@@ -42,7 +42,7 @@ from infra.policies import (
 
 __all__ = ["BUCKET_POLICY_LIMIT", "apply_bucket_policy", "apply_lifecycle", "bucket_exists",
            "bucket_policy", "current_bucket_policy", "ensure_bucket", "lifecycle_rule",
-           "lifecycle_rules", "main", "role_policies"]
+           "lifecycle_rules", "main", "policy_text", "role_policies"]
 
 BUCKET_POLICY_LIMIT = 20 * 1024
 
@@ -187,6 +187,17 @@ def current_bucket_policy(bucket: str, *, client: Any) -> dict[str, Any] | None:
         return None
 
 
+def policy_text(policy: dict[str, Any]) -> str:
+    """``policy`` as sent (compact JSON); ValueError if it is over AWS's size limit."""
+    text = json.dumps(policy, separators=(",", ":"))
+    if len(text.encode()) > BUCKET_POLICY_LIMIT:
+        raise ValueError(
+            f"the bucket policy would be {len(text.encode())} bytes, over AWS's "
+            f"{BUCKET_POLICY_LIMIT}: attach the per-role documents to IAM roles instead "
+            f"(without --principal)")
+    return text
+
+
 def apply_bucket_policy(
     bucket: str,
     policy: dict[str, Any],
@@ -196,11 +207,7 @@ def apply_bucket_policy(
     client: Any = None,
 ) -> None:
     """Install ``policy`` (e.g. from `bucket_policy`) as the bucket's policy."""
-    text = json.dumps(policy, separators=(",", ":"))
-    if len(text.encode()) > BUCKET_POLICY_LIMIT:
-        raise ValueError(
-            f"the bucket policy would be {len(text.encode())} bytes, over AWS's "
-            f"{BUCKET_POLICY_LIMIT}: attach the per-role documents to IAM roles instead")
+    text = policy_text(policy)
     s3 = _client(client, endpoint_url, region)
     s3.put_bucket_policy(Bucket=bucket, Policy=text)
 

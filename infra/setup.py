@@ -45,6 +45,7 @@ from infra.bucket import (
     ensure_bucket,
     lifecycle_rule,
     lifecycle_rules,
+    policy_text,
 )
 from infra.policies import (
     access_table,
@@ -178,6 +179,11 @@ def setup(
     principals = dict(principals or {})
     check_principals(principals, names)
     documents = role_policies(bucket, prefix, names)
+    try:
+        if principals:  # ours alone already too large: say so before any request
+            policy_text(bucket_policy(bucket, prefix, principals))
+    except ValueError as exc:
+        raise SetupError(str(exc)) from None
     s3 = client if client is not None else _client(endpoint_url, region)
     endpoint = endpoint_url or s3.meta.endpoint_url
     try:
@@ -240,6 +246,10 @@ def _setup(s3: Any, bucket: str, prefix: str, rule: dict[str, Any],
         kept = len(policy["Statement"]) - ours
         what = (f"the bucket policy: {ours} statements for {', '.join(principals)}"
                 + (f"; {kept} statements of others kept" if kept else ""))
+        try:
+            policy_text(policy)  # with the statements of others, perhaps too large now
+        except ValueError as exc:
+            raise SetupError(str(exc)) from None
         if policy == existing:
             say(f"{what}: already in place")
         elif dry_run:

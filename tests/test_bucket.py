@@ -471,6 +471,9 @@ def test_setup_installs_the_bucket_policy_for_principals(s3_user_env, s3_client,
     (["s3://bkt/runs", "--workers", "a", "--principal", "worker:b=arn:aws:iam::1:role/b"],
      "unknown role; known: viewer, launcher, aggregator, worker:a"),
     (["s3://bkt/runs", "--workers", "a", "--principal", "viewer=someone"], "not an ARN"),
+    (["s3://bkt/runs", "--workers", ",".join(f"w{i}" for i in range(40)),
+      *[f"--principal=worker:w{i}=arn:aws:iam::1:role/w{i}" for i in range(40)]],
+     "over AWS's 20480: attach the per-role documents to IAM roles instead"),
 ])
 def test_setup_refuses_bad_input_in_one_line_before_any_request(args, message, tmp_path,
                                                                 monkeypatch):
