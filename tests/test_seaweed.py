@@ -305,12 +305,14 @@ def user(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("args, says", [
     (["--backend", "deployments"], "--backend local"),
+    (["--set", "store=local-s3", "--backend", "deployments"], "--backend local"),
     (["--run-url", "s3://elsewhere/runs/r1"], "not in the local-s3 store"),
     (["--run-url", "s3://AKIAX:verysecret@diloco/runs/r1"], "credentials in a URL"),
     (["--set", "train.steps=-3"], "train.steps"),
 ])
 def test_local_s3_refuses_what_cannot_work_before_serving(user, tmp_path, args, says):
-    result = user.invoke(app, ["run", "--store", "local-s3", *args])
+    chosen = [] if "store=local-s3" in args else ["--store", "local-s3"]
+    result = user.invoke(app, ["run", *chosen, *args])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and says in lines[0] and "verysecret" not in result.output, lines
