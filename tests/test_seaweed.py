@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -123,9 +124,16 @@ def test_a_server_never_outlives_a_killed_parent(tmp_path):
               "time.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
                               text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    leftovers: list[Path] = []
     try:
         weed = int(parent.stdout.readline())
         assert alive(weed)
+        for arg in psutil.Process(weed).cmdline():  # what stop() would have removed
+            flag, _, value = arg.lstrip("-").partition("=")
+            if flag == "s3.localSocket":
+                leftovers.append(Path(value).parent)
+            elif flag.endswith(".grpc"):
+                leftovers.append(Path(f"/tmp/seaweedfs-{flag.split('.')[0]}-grpc-{value}.sock"))
         parent.kill()
         parent.wait(10)
         deadline = time.monotonic() + 40
@@ -135,6 +143,11 @@ def test_a_server_never_outlives_a_killed_parent(tmp_path):
     finally:
         parent.kill()
         parent.stdout.close()
+        for path in leftovers:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
 
 def test_missing_weed_is_one_line_naming_the_install(tmp_path, monkeypatch):
