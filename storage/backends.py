@@ -11,6 +11,7 @@ writes atomic.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import threading
@@ -169,6 +170,42 @@ def bucket_found(fs: fsspec.AbstractFileSystem, bucket: str) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def s3_delete(fs: Any, paths: list[str]) -> None:
+    """Delete S3 objects through s3fs ``fs``, raising when the server refuses any.
+
+    s3fs's ``rm`` sends DeleteObjects in quiet mode and drops the per-key errors
+    it returns, so a delete the bucket policy denies would pass silently and the
+    key stay (a resume would then keep meeting an old cancel request). Here a
+    refused key raises: AccessDenied as PermissionError (never retried), a
+    throttled or failed key as a transient OSError; a key already gone is fine
+    (deletes are retried).
+    """
+    from fsspec.asyn import sync  # noqa: PLC0415 - s3 only
+
+    by_bucket: dict[str, list[str]] = {}
+    for path in paths:
+        bucket, key, _ = fs.split_path(path)
+        by_bucket.setdefault(bucket, []).append(key)
+        fs.invalidate_cache(path)
+
+    async def delete(bucket: str, keys: list[str]) -> list[dict[str, Any]]:
+        out = await fs._call_s3("delete_objects", Bucket=bucket, Delete={
+            "Objects": [{"Key": k} for k in keys], "Quiet": True})
+        return list(out.get("Errors") or [])
+
+    errors = [e for bucket, keys in by_bucket.items() for i in range(0, len(keys), 1000)
+              for e in sync(fs.loop, delete, bucket, keys[i:i + 1000])
+              if e.get("Code") != "NoSuchKey"]
+    if not errors:
+        return
+    first = errors[0]
+    what = (f"delete refused for {len(errors)} key(s), first {first.get('Key')!r}: "
+            f"{first.get('Code')} {first.get('Message', '')}".rstrip())
+    if any(e.get("Code") in ("AccessDenied", "AllAccessDisabled") for e in errors):
+        raise PermissionError(what)
+    raise OSError(errno.EAGAIN, what)
 
 
 def validate_key(key: str, *, what: str = "key") -> str:

@@ -48,6 +48,7 @@ from storage.backends import (
     file_temp,
     is_precondition_failed,
     open_backend,
+    s3_delete,
     validate_key,
 )
 from storage.errors import ObjectMissing, TransientStoreError
@@ -270,8 +271,11 @@ class ObjectStore:
         path = self._join(key)
 
         def remove(_attempt: int) -> None:
+            if self._kind == "s3":
+                s3_delete(self._fs, [path])
+                return
             with suppress(FileNotFoundError):
-                self._fs.rm(path) if self._kind != "s3" else self._fs.rm([path])
+                self._fs.rm(path)
 
         self._run("delete", key, remove)
         self.traffic.record("delete", self._tkey(key))
@@ -448,7 +452,7 @@ class ObjectStore:
     def _delete_raw(self, base: str, paths: list[str]) -> None:
         try:
             if self._kind == "s3":
-                self._fs.rm(paths)
+                s3_delete(self._fs, paths)
             else:
                 self._fs.rm(base, recursive=True)
         except FileNotFoundError:

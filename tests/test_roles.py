@@ -333,9 +333,13 @@ def test_a_worker_is_refused_another_workers_keys_and_the_mean(role_run, server)
     published = exchange.publish_prepared(exchange.prepare_delta(0, last, "region-a", x),
                                           tokens=1)
     assert published.created
-    # another's checkpoint it cannot delete (s3fs does not raise: the keys stay)
+    # another's checkpoint it cannot delete, and is told so (s3fs's own rm would
+    # drop the refusal of its quiet DeleteObjects): one key, then a whole prefix
     admin = role_run["admin"]
     theirs = [k for k in role_run["keys"] if "/workers/region-b/ckpt/" in k]
     commit = next(k for k in theirs if k.endswith(".json")).split("/", 2)[2]
-    store.delete(commit)
+    with pytest.raises(PermissionError, match="AccessDenied"):
+        store.delete(commit)
+    with pytest.raises(PermissionError, match="AccessDenied"):
+        store.delete_prefix(layout.worker_checkpoints("region-b"))
     assert _exists(admin, f"{PREFIX}/{RUN}/{commit}")
