@@ -100,7 +100,7 @@ def test_a_missing_bucket_is_named_before_anything_starts(s3_env, data_url, tmp_
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     line = error_line(out.stderr)
     assert f"the bucket '{bucket}'" in line, line
-    assert f"python -m infra.bucket create --bucket {bucket}" in line, line
+    assert f"diloco bucket setup s3://{bucket}/PREFIX --workers NAMES" in line, line
     assert tree(tmp_path) == [], "something was written"
     assert took < 30, f"took {took:.1f} s"
 
@@ -119,7 +119,7 @@ def test_every_entry_point_names_a_missing_bucket(s3_env, tmp_path, command):
         out = run_py(["-m", "workers", "--run", url, *role], env)
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     line = error_line(out.stderr)
-    assert f"python -m infra.bucket create --bucket {bucket}" in line, line
+    assert f"diloco bucket setup s3://{bucket}/PREFIX --workers NAMES" in line, line
     assert tree(tmp_path) == []
 
 

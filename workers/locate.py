@@ -184,9 +184,10 @@ def reach_store(url: str, storage_options: dict | None = None, *,
             "endpoint_url")
         where = f"--endpoint {endpoint} " if endpoint else ""
         raise BucketMissing(
-            f"the bucket {store.bucket!r} of {_safe(url)} does not exist; create it with: "
-            f"python -m infra.bucket {where}create --bucket {store.bucket}  (from the "
-            f"repository root, with the same AWS_* environment), or fix the store URL")
+            f"the bucket {store.bucket!r} of {_safe(url)} does not exist; create it (with "
+            f"its per-role policies) using: diloco bucket setup s3://{store.bucket}/PREFIX "
+            f"--workers NAMES {where}(PREFIX: where the runs live; same AWS_* environment), "
+            f"or fix the store URL")
 
 
 def _safe(url: str) -> str:
