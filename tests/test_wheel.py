@@ -122,3 +122,18 @@ def test_diloco_run_tiny_from_an_unrelated_directory(venv, tmp_path):
         assert job["exit"] == 0 and job["command"][0] == str(venv / "bin" / "python"), job
         assert Path(job["log"]).is_relative_to(user)
     assert (user / "mlflow.db").exists()
+
+
+def test_diloco_deploy_finds_its_files_in_the_installed_wheel(venv, tmp_path):
+    """`diloco deploy` reads infra/prefect.yaml and the work-pool templates from the
+    installed package, as on a deploying machine without a checkout."""
+    probe = _run([str(venv / "bin" / "python"), "-c", """
+import json
+from flows.deploy import read_deployments
+from infra.deployments import PREFECT_FILE, pool_template
+print(json.dumps({"file": str(PREFECT_FILE), "deployments": len(read_deployments(PREFECT_FILE)),
+                  "templates": [bool(pool_template(k, "region-a")) for k in ("docker", "kubernetes")]}))
+"""], cwd=tmp_path, env=_user_env(tmp_path))
+    found = json.loads(probe.stdout)
+    assert found["file"].startswith(str(venv / "lib")) and found["deployments"] == 4
+    assert found["templates"] == [True, True]
