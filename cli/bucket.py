@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 
 from cli.console import console, fail
 
@@ -65,7 +64,7 @@ def setup_command(
               principals=parse_principals(principal or []), endpoint_url=endpoint,
               region=region)
     except ValueError as exc:  # SetupError, CredentialsInURL, a bad --principal
-        raise fail(escape(str(exc))) from None
+        raise fail(str(exc)) from None
 
 
 @bucket_app.command("policies")
@@ -83,7 +82,7 @@ def policies_command(
         bucket, prefix = parse_url(url)
         documents = role_policies(bucket, prefix, workers.split(","))
     except ValueError as exc:
-        raise fail(escape(str(exc))) from None
+        raise fail(str(exc)) from None
     if out is None:
         _say(json.dumps(documents, indent=2))
     else:

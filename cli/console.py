@@ -14,6 +14,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from tracking.settings import tracking_enabled
 from workers.data.errors import DataError
@@ -31,8 +32,12 @@ class Backend(StrEnum):
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
-    """Print ``message`` as one error line; the caller raises what this returns."""
-    errors.print(f"[bold red]error:[/] {message}", highlight=False, markup=True,
+    """Print ``message`` as one error line; the caller raises what this returns.
+
+    The message is plain text, never markup: errors quote user input and
+    commands such as ``pip install 'diloco-flows[cloud]'``, whose brackets rich
+    would otherwise swallow."""
+    errors.print(f"[bold red]error:[/] {escape(message)}", highlight=False, markup=True,
                  soft_wrap=True)
     return typer.Exit(code)
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 
 from cli.console import console, fail, user_errors
 from flows import deploy as deploying
@@ -49,7 +48,7 @@ def deploy(
             done = deploying.deploy(path, names=names, create_pools=create_pools,
                                     pool_type=kind, template_for=template_for)
     except (*user_errors(), shipped.TemplateError) as exc:
-        raise fail(escape(str(exc))) from None  # [cloud] is not markup
+        raise fail(str(exc)) from None  # [cloud] is not markup
     if done["created_pools"]:
         console.print(f"created {kind or 'process'} work pools: "
                       f"{', '.join(done['created_pools'])}")

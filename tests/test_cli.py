@@ -177,3 +177,14 @@ def test_prepare_data(tmp_path):
     assert (out / "dataset.json").exists()
     again = CliRunner().invoke(app, ["prepare-data", "builtin:shakespeare", "--out", str(out)])
     assert again.exit_code == 2 and "error:" in again.output
+
+
+def test_an_error_line_keeps_its_brackets(capsys):
+    """Errors quote commands and user input; rich would read ``[cloud]`` as markup
+    and drop it from ``pip install 'diloco-flows[cloud]'``."""
+    from cli.console import fail
+
+    exit_ = fail("install it: pip install 'diloco-flows[cloud]' (got [bold]x[/])")
+    assert exit_.exit_code == 2
+    err = capsys.readouterr().err
+    assert "pip install 'diloco-flows[cloud]' (got [bold]x[/])" in " ".join(err.split())
