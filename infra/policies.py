@@ -42,7 +42,11 @@ POLICY_VERSION = "2012-10-17"
 
 READ_ACTIONS = ["s3:GetObject"]
 LIST_ACTIONS = ["s3:ListBucket"]
-WRITE_ACTIONS = ["s3:PutObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"]
+#: A multipart upload is PutObject for S3's authorization (create, parts, complete);
+#: AbortMultipartUpload lets a retried upload clean up. Nothing here lists the parts
+#: of an upload (s3fs never resumes one), so ListMultipartUploadParts is not granted,
+#: which also keeps the documents acceptable to SeaweedFS's IAM (it refuses that action).
+WRITE_ACTIONS = ["s3:PutObject", "s3:AbortMultipartUpload"]
 DELETE_ACTIONS = ["s3:DeleteObject"]
 
 #: AWS's limit on a bucket policy's size, in bytes.

@@ -90,6 +90,35 @@ class IAMS3Server(MotoS3Server):
                 "AWS_ENDPOINT_URL_S3": self.endpoint_url, "AWS_DEFAULT_REGION": REGION}
 
 
+class SeaweedIAMServer:
+    """SeaweedFS with its IAM API writable (storage/seaweed.py): the same interface as
+    `IAMS3Server`, so the role tests run on a real object store too. Its IAM
+    evaluates the AWS documents itself (mid-key wildcards, ``s3:prefix``
+    conditions); nothing of it is corrected here."""
+
+    def __init__(self) -> None:
+        from s3server import SeaweedS3Server
+
+        self._served = SeaweedS3Server(iam_writable=True)
+        self.admin: dict[str, str] = {}
+        self.endpoint_url = ""
+
+    def __enter__(self) -> SeaweedIAMServer:
+        self.endpoint_url = self._served.start()
+        self.admin = self._served.admin.env()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._served.stop()
+
+    client = IAMS3Server.client
+
+    def user(self, name: str, policy: dict[str, Any]) -> dict[str, str]:
+        """As `IAMS3Server.user`, through SeaweedFS's IAM API."""
+        return {**IAMS3Server._create_user(self, name, policy, self.admin),  # type: ignore[arg-type]
+                "AWS_ENDPOINT_URL_S3": self.endpoint_url, "AWS_DEFAULT_REGION": REGION}
+
+
 def _align_with_aws() -> None:
     """The two corrections of the module docstring, applied to moto in this process."""
     import re

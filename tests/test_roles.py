@@ -1,6 +1,7 @@
 """The bucket roles against a server that enforces them, and against a real run.
 
-moto's server, enforcing IAM (tests/iam_server.py), with one IAM user per role
+Two servers, each enforcing IAM (tests/iam_server.py): moto's, aligned with AWS,
+and SeaweedFS's own. Each has one IAM user per role
 holding the document `infra.policies.role_policies` derives from
 `storage.layout.KEYS`:
 
@@ -28,7 +29,7 @@ import numpy as np
 import pytest
 from botocore.exceptions import ClientError
 from cli_runs import SHORT
-from iam_server import IAMS3Server
+from iam_server import IAMS3Server, SeaweedIAMServer
 from typer.testing import CliRunner
 
 from cli.bucket import bucket_app
@@ -44,10 +45,11 @@ DENIED = re.compile(r"AccessDenied|Access Denied|Forbidden|PermissionError|could
                     re.IGNORECASE)
 
 
-@pytest.fixture(scope="module")
-def server() -> Any:
-    """The enforcing server, the bucket, and ``(documents, environments)`` per role."""
-    with IAMS3Server() as srv:
+@pytest.fixture(scope="module", params=["moto", "seaweedfs"])
+def server(request) -> Any:
+    """The enforcing server, the bucket, and ``(documents, environments)`` per role:
+    moto's IAM aligned with AWS, and SeaweedFS's own IAM (a real object store)."""
+    with (IAMS3Server() if request.param == "moto" else SeaweedIAMServer()) as srv:
         srv.client("s3", srv.admin).create_bucket(Bucket=BUCKET)
         documents = role_policies(BUCKET, PREFIX, WORKERS)
         envs = {role: srv.user(policy_file_name(role)[: -len(".json")], doc)
