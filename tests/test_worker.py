@@ -340,3 +340,22 @@ def test_running_status_writes_never_stall_the_training_loop():
     sync.update("running", force=True, step=1)
     assert [p["step"] for p in slow.puts] == [1]
     assert read_status(base, "v")["step"] == 1
+
+
+def test_a_registration_names_the_code_that_ran(tmp_path):
+    """members/<name>.json says which interpreter and which installed diloco-flows a
+    party ran, so an audit tells a region running the image from one running a
+    checkout; it is written once (a restart keeps the first)."""
+    from importlib.metadata import version
+
+    from storage import layout
+    from storage.objectstore import ObjectStore
+    from workers.status import StatusBoard
+
+    store = ObjectStore(str(tmp_path / "run"))
+    StatusBoard(store, "region-a").register(island=1)
+    StatusBoard(store, "region-a").register(island=2)
+    member = json.loads(store.get(layout.member("region-a")))
+    assert member["python"] == sys.executable
+    assert member["version"] == version("diloco-flows")
+    assert member["island"] == 1

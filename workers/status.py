@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from datetime import UTC, datetime
@@ -53,8 +54,11 @@ class StatusBoard:
         self._writer: threading.Thread | None = None
 
     def register(self, **extra: Any) -> None:
+        """Write the party's registration once: where it runs and which code (the
+        interpreter and the installed diloco-flows), so an audit of the run can
+        tell a region's image from another's checkout."""
         body = {"name": self.name, "host": socket.gethostname(), "pid": os.getpid(),
-                "started": _now(), **extra}
+                "started": _now(), "python": sys.executable, "version": _version(), **extra}
         try:
             self.store.put_if_absent(layout.member(self.name), json.dumps(body).encode())
         except StoreError as exc:  # pragma: no cover - best effort
@@ -109,3 +113,13 @@ def read_status(store: ObjectStore, name: str) -> dict[str, Any] | None:
 
 def read_all(store: ObjectStore, names: list[str]) -> dict[str, dict[str, Any] | None]:
     return {n: read_status(store, n) for n in names}
+
+
+def _version() -> str | None:
+    """The installed diloco-flows version (None when run from sources not installed)."""
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version("diloco-flows")
+    except PackageNotFoundError:
+        return None
