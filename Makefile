@@ -1,6 +1,6 @@
 # The two commands of the README. Each sets everything up first (scripts/setup is a
 # no-op when .venv is current).
-.PHONY: setup run test lint bench check-image local-s3
+.PHONY: setup run test lint bench check-image local-s3 rehearse
 
 setup:
 	scripts/setup
@@ -24,3 +24,8 @@ bench: setup
 # flows inside it: docs/image.md.
 check-image:
 	scripts/check-image
+
+# One run across two regions sharing only a bucket and the Prefect API, region B in
+# the image when check-image has built it (docs/cross-region.md).
+rehearse: setup
+	scripts/rehearse-regions
