@@ -5,7 +5,9 @@
     diloco status tiny-20260101-120000  # a run URL, or a run's name under runs/
     diloco resume tiny-20260101-120000
     diloco cancel tiny-20260101-120000
+    diloco run --store local-s3         # the same on SeaweedFS, a real S3 server here
     diloco deploy                       # infra/prefect.yaml on $PREFECT_API_URL
+    diloco bucket setup s3://b/runs --workers region-a,region-b --dry-run
     diloco prepare-data builtin:shakespeare --out runs/data/shakespeare
 
 Each command lives in its own module of this package; this one builds the app.
@@ -34,7 +36,10 @@ HELP = """Train one language model across regions with Streaming DiLoCo.
   diloco status RUN            RUN: a run URL, or a run's name under runs/
   diloco resume RUN
   diloco cancel RUN
+  diloco run --store local-s3  the same on a real S3 server here (SeaweedFS)
+  diloco store serve           serve that store to read or resume its runs
   diloco deploy                infra/prefect.yaml on $PREFECT_API_URL
+  diloco bucket setup s3://BUCKET/PREFIX --workers a,b [--dry-run]
   diloco prepare-data builtin:shakespeare --out runs/data/shakespeare
 
 Errors you can act on print one line and exit with status 2 (nothing is launched);
