@@ -27,7 +27,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from types import TracebackType
+
+from s3server import Served
 
 
 def free_port() -> int:
@@ -37,7 +38,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class MlflowServer:
+class MlflowServer(Served):
     """``mlflow server`` on 127.0.0.1, SQLite backend, artifacts on S3."""
 
     def __init__(
@@ -133,14 +134,3 @@ class MlflowServer:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
 
-    def __enter__(self) -> MlflowServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

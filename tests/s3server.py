@@ -49,7 +49,7 @@ DUMMY_SECRET = "testing"
 REGION = "us-east-1"
 
 
-class _Served:
+class Served:
     """A server that starts on entering a ``with`` block and stops on leaving it."""
 
     def start(self) -> str:
@@ -71,7 +71,7 @@ class _Served:
         self.stop()
 
 
-class MotoS3Server(_Served):
+class MotoS3Server(Served):
     """moto's S3 server in a child process on ``host`` (any local address) and a free
     port."""
 
@@ -167,7 +167,7 @@ class MotoS3Server(_Served):
         return name
 
 
-class SeaweedS3Server(_Served):
+class SeaweedS3Server(Served):
     """SeaweedFS (`storage.seaweed.SeaweedFS`) on ``host`` and free ports, with the
     interface of `MotoS3Server`; its data lives in ``data_dir`` (default: a temp
     directory removed at `stop`). ``identities``: more identities, for per-role
