@@ -8,6 +8,7 @@ launched. A run that fails exits 1, a cancelled one 3, Ctrl-C 130.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from enum import StrEnum
 from pathlib import Path
@@ -79,6 +80,21 @@ def shown(url: str) -> str:
         return str(Path(url).relative_to(Path.cwd()))
     except ValueError:
         return url
+
+
+def runnable(hint: str) -> str:
+    """``hint`` with its program (``diloco``, ``mlflow``, ``prefect``) written so it
+    runs as printed: the bare name when this shell finds the same program on PATH,
+    else its path (``.venv/bin/diloco`` from the checkout), so a user who never
+    activated the virtualenv can paste it."""
+    program, sep, rest = hint.partition(" ")
+    if program not in ("diloco", "mlflow", "prefect"):
+        return hint
+    here = Path(sys.executable).parent / program
+    found = shutil.which(program)
+    if not here.exists() or (found and Path(found).resolve() == here.resolve()):
+        return hint
+    return f"{shown(str(here))}{sep}{rest}"
 
 
 def mlflow_hint() -> str:

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from cli.console import runnable
 from storage.exchange import Exchange
 from workers.report import human_bytes, human_seconds, snapshot
 
@@ -142,7 +143,7 @@ def print_report(console: Console, report: dict[str, Any], *,
                       f"affected): not logged: {what}", highlight=False)
     console.print()
     for label, value in where:
-        console.print(f"  {label:<8} {value}")
+        console.print(f"  {label:<8} {runnable(value)}")
 
 
 def print_status(console: Console, exchange: Exchange, run_url: str,

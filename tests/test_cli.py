@@ -52,6 +52,15 @@ def test_main_command(main_run):
     assert f"diloco status {run.name}" in text
     assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in text
     assert "Traceback" not in out.stderr
+    # the status hint runs as printed, in a shell that never activated the virtualenv
+    hint = next(line.split(None, 1)[1] for line in text.splitlines()
+                if line.strip().startswith("status "))
+    env = clean_env(cwd)
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if Path(p).resolve() != Path(sys.executable).parent.resolve())
+    ran = subprocess.run(["bash", "-c", hint], cwd=cwd, env=env, text=True,
+                         capture_output=True, timeout=120)
+    assert ran.returncode == 0 and "region-a" in ran.stdout, (hint, ran.stdout + ran.stderr)
     # what it leaves in the store
     manifest = json.loads((run / "run.json").read_text())
     assert manifest["workers"] == ["region-a", "region-b"] and manifest["total_steps"] == 24
@@ -83,15 +92,14 @@ def test_status_and_cancel_of_a_finished_run(main_run):
     assert "24/24" in status.stdout and "rounds" in status.stdout
     as_json = json.loads(diloco(["status", name, "--json"], cwd, env, timeout=60).stdout)
     assert as_json["aggregator"]["state"] == "finished"
+    # a finished run: nothing to cancel or resume, one line each, nothing written
     cancel = diloco(["cancel", name, "--timeout", "10"], cwd, env, timeout=60)
-    assert cancel.returncode == 0, cancel.stderr
-    assert "region-a finished" in cancel.stdout
-    assert f"diloco resume {name}" in cancel.stdout
-    # resume withdraws the request and finds nothing left to do
-    resumed = diloco(["resume", name], cwd, env, timeout=120)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "finished" in resumed.stdout
+    assert cancel.returncode == 2, cancel.stdout + cancel.stderr
+    assert "has finished; there is nothing to cancel" in cancel.stderr
     assert not (cwd / "runs" / name / "control" / "cancel.json").exists()
+    resumed = diloco(["resume", name], cwd, env, timeout=120)
+    assert resumed.returncode == 2, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "has finished; there is nothing to resume" in resumed.stderr
 
 
 def _closed_port() -> int:
