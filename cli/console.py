@@ -32,6 +32,15 @@ class Backend(StrEnum):
     deployments = "deployments"
 
 
+def backend_named(value: str) -> Backend:
+    """The ``--backend`` a user named; one line naming the allowed values if none."""
+    try:
+        return Backend(value.strip().lower())
+    except ValueError:
+        raise fail(f"--backend {value}: no such backend; use one of: "
+                   f"{', '.join(b.value for b in Backend)}") from None
+
+
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
     """Print ``message`` as one error line; the caller raises what this returns.
 
@@ -106,6 +115,13 @@ def mlflow_hint() -> str:
     return f"mlflow ui --backend-store-uri {uri or 'sqlite:///mlflow.db'}"
 
 
-def prefect_hint() -> str:
+def prefect_hint(ended: bool = False) -> str:
+    """Where the flow runs can be seen. A temporary server ends with the command, so
+    after it there is nothing to open: say so, and how to keep them next time."""
     url = os.environ.get("PREFECT_API_URL")
-    return url.removesuffix("/api") if url else "temporary local server"
+    if url:
+        return url.removesuffix("/api")
+    if ended:
+        return ("none kept: the temporary server stopped with this command (to keep "
+                "flow runs, `prefect server start` and set PREFECT_API_URL)")
+    return "temporary local server"

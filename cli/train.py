@@ -85,7 +85,7 @@ def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: 
                           message="" if outcome == "finished" else _state_message(state))
     print_report(console, report, initial_eval=_initial_eval(exchange),
                  where=[("store", where), ("status", f"diloco status {_run_ref(run_url)}"),
-                        ("MLflow", mlflow_hint()), ("Prefect", prefect_hint())]
+                        ("MLflow", mlflow_hint()), ("Prefect", prefect_hint(ended=True))]
                  + ([("resume", f"diloco resume {_run_ref(run_url)}")]
                     if outcome != "finished" else []) + (hints or []))
     if outcome == "failed":
