@@ -1,7 +1,7 @@
 """One small key/value API over every store the exchange runs on.
 
-The bucket is the only channel between regions (DESIGN.md, principle 1), and the
-same code must run on a laptop and across clouds (principle 5). `ObjectStore` is the
+The bucket is the only channel between regions (docs/design.md, principle 1), and
+the same code must run on a laptop and across clouds (principle 5). `ObjectStore` is the
 narrow waist that makes both true: the exchange protocol above it only ever puts,
 gets, lists and create-only-writes keys, and the three backends below it behave the
 same way:
@@ -136,7 +136,7 @@ class ObjectStore:
     def put(self, key: str, data: bytes) -> None:
         """Write ``data`` at ``key``, replacing any object there.
 
-        The protocol writes every key once (DESIGN principle 2), so "replace" only
+        The protocol writes every key once (docs/design.md, principle 2), so "replace" only
         ever happens when a retry repeats a write that may already have landed.
         """
         path = self._join(validate_key(key))

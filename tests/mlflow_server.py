@@ -3,7 +3,7 @@
 ``mlflow server`` in a child process on 127.0.0.1 and a free port, runs and metrics
 in ``sqlite:///<dir>/mlflow.db``, artifacts proxied by the server to
 ``s3://<bucket>/<prefix>`` on the test S3 server (moto, see ``s3server.py``), and
-the job runner off (``MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false``, DESIGN.md).
+the job runner off (``MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false``, docs/design.md).
 
 Usage::
 

@@ -4,7 +4,7 @@ The parent run, the child run of each worker and of the aggregator, and
 ``tracking.json``, which links the jobs through the run's store, are in
 `tracking.runs`; settings in `tracking.settings`.
 
-Logging never stops or slows training (DESIGN.md, principle 1). Metrics go through
+Logging never stops or slows training (docs/design.md, principle 1). Metrics go through
 MLflow's asynchronous logging (``log_batch(synchronous=False)``) with a bounded outage
 buffer beside it (`tracking.sender`). Everything else a hook asks for (create or
 continue a run, params, tags, end a run, the summary and plots) is a task for one
