@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from cli.console import console, errors, quiet_logs, shown
+from cli.console import console, errors, fail, quiet_logs, shown
 from cli.progress import print_status
 from cli.train import open_named_run
 from flows import cancel as cancelling
@@ -42,7 +42,12 @@ def cancel(
     Writes a cancel request into the run's store (every job and the train flow poll
     it), cancels the jobs' Prefect flow runs when they have any, and waits.
     """
-    _url, exchange = open_named_run(run)
+    url, exchange = open_named_run(run)
+    snap = snapshot(exchange)
+    if all(p.get("state") == "finished" for p in [*snap["workers"].values(),
+                                                   snap["aggregator"]]):
+        raise fail(f"{shown(url)} has finished; there is nothing to cancel "
+                   f"(see: diloco status {run})")
     request = request_cancel(exchange.store, reason)
     console.print(f"cancel requested ({request['requested'][:19]}, by {request['by']})")
     launcher = read_launcher(exchange.store) or {}

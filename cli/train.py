@@ -7,6 +7,7 @@ named, refuses what cannot work before anything is launched, and prints.
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,6 +20,7 @@ from cli.console import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     Backend,
+    backend_named,
     console,
     errors,
     fail,
@@ -31,7 +33,7 @@ from cli.console import (
 from cli.progress import LiveProgress, print_report
 from cli.store import describe, local_s3, read_back_hint
 from flows.cancel import live_local_jobs
-from flows.control import cancel_request, clear_cancel, read_launcher
+from flows.control import cancel_request, read_launcher
 from storage.backends import refuse_credentials
 from storage.errors import StoreError
 from storage.local_s3 import BUCKET as LOCAL_S3_BUCKET
@@ -124,9 +126,10 @@ def run(
              "SeaweedFS serving runs/.seaweedfs while the command runs")] = None,
     run_url: Annotated[str | None, typer.Option(
         "--run-url", help="where the run lives (default: <store>/<name>-<time>)")] = None,
-    backend: Annotated[Backend, typer.Option(
+    backend: Annotated[str, typer.Option(
+        metavar="local|deployments",
         help="local: worker processes on this machine; deployments: Prefect deployments "
-             "of each region's work pool (see diloco deploy)")] = Backend.local,
+             "of each region's work pool (see diloco deploy)")] = Backend.local.value,
     nproc: Annotated[int, typer.Option(
         min=1, help="processes per worker island (torchrun when > 1)")] = 1,
     continue_from: Annotated[str | None, typer.Option(
@@ -145,12 +148,14 @@ def run(
     --store local-s3, the same on a real S3 server of this machine.
     """
     quiet_logs(verbose)
+    chosen = backend_named(backend)
+    _reach_prefect(chosen)
     overrides = [*(overrides or []), *([f"store={store}"] if store is not None else [])]
     if _store_override(overrides) != LOCAL_S3:
-        _start(config, overrides, run_url, backend, nproc, continue_from, extra_steps, no_eval,
+        _start(config, overrides, run_url, chosen, nproc, continue_from, extra_steps, no_eval,
                verbose)
         return
-    if backend is not Backend.local:
+    if chosen is not Backend.local:
         raise fail("--store local-s3 is served on this machine's loopback, which only local "
                    "jobs reach: use --backend local, or a bucket every region reaches")
     overrides = [*overrides, f"store={LOCAL_S3_URL}"]
@@ -168,8 +173,23 @@ def run(
         raise fail(str(exc)) from None
     with local_s3() as served:
         console.print(describe(served), highlight=False)
-        _start(config, overrides, run_url, backend, nproc, continue_from, extra_steps, no_eval,
+        _start(config, overrides, run_url, chosen, nproc, continue_from, extra_steps, no_eval,
                verbose, hints=[("local-s3", read_back_hint(served))])
+
+
+def _reach_prefect(backend: Backend) -> None:
+    """A ``PREFECT_API_URL`` no server answers: one line, before anything is written
+    (the flow would fail only after the dataset and the run were created)."""
+    from flows.server import api_unreachable  # noqa: PLC0415
+
+    url = os.environ.get("PREFECT_API_URL")
+    why = api_unreachable(url) if url else None
+    if why:
+        todo = ("start that server (prefect server start) or point PREFECT_API_URL at a "
+                "running one" if backend is Backend.deployments else
+                "unset PREFECT_API_URL to use a temporary local server, or start that "
+                "server (prefect server start)")
+        raise fail(f"PREFECT_API_URL={url}: no Prefect API answers ({why}); {todo}")
 
 
 def _store_override(overrides: list[str]) -> str | None:
@@ -260,7 +280,8 @@ def _age(iso: str | None) -> float:
 
 def resume(
     run: Annotated[str, typer.Argument(help="a run URL, or a run's name under runs/")],
-    backend: Annotated[Backend, typer.Option(help="how to launch the jobs")] = Backend.local,
+    backend: Annotated[str, typer.Option(
+        metavar="local|deployments", help="how to launch the jobs")] = Backend.local.value,
     nproc: Annotated[int, typer.Option(min=1, help="processes per worker island")] = 1,
     force: Annotated[bool, typer.Option(
         help="resume even if some job reported progress in the last minute")] = False,
@@ -268,6 +289,7 @@ def resume(
 ) -> None:
     """Continue a stopped run from its checkpoints (after cancel, a crash or Ctrl-C)."""
     quiet_logs(verbose)
+    chosen = backend_named(backend)
     url, exchange = open_named_run(run)
     snap = snapshot(exchange)
     parties = [*snap["workers"].values(), snap["aggregator"]]
@@ -278,15 +300,12 @@ def resume(
         who = ", ".join(f"{n} (pid {pid})" for n, pid in alive.items()) or ", ".join(recent)
         raise fail(f"{shown(url)} is still running ({who}); stop it first with: diloco "
                    f"cancel {run}" + ("" if alive else "  (or --force if those jobs are gone)"))
+    if all(p.get("state") == "finished" for p in parties):
+        raise fail(f"{shown(url)} has finished; there is nothing to resume (see: diloco "
+                   f"status {run}, or start a new run from it: diloco run --continue-from "
+                   f"{run})")
+    _reach_prefect(chosen)
     if cancel_request(exchange.store):
         console.print("withdrawing the cancel request")
-    if all(p.get("state") == "finished" for p in parties):
-        clear_cancel(exchange.store)
-        console.print(f"{shown(url)} has already finished; nothing to resume")
-        print_report(console, build_report(exchange, run_url=url, state="finished",
-                                           wall_seconds=0.0),
-                     initial_eval=_initial_eval(exchange),
-                     where=[("store", shown(url)), ("MLflow", mlflow_hint())])
-        return
-    _drive(run_url=url, flow_kwargs={"backend": backend.value, "nproc": nproc}, resume=True,
+    _drive(run_url=url, flow_kwargs={"backend": chosen.value, "nproc": nproc}, resume=True,
            verbose=verbose)

@@ -25,6 +25,8 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -112,3 +114,25 @@ def tie_temporary_server() -> bool:
     log.info("Prefect's temporary server: %s (pid %d), stopped with this process",
              server.api_url, server.server_process.pid if server.server_process else -1)
     return True
+
+
+def api_unreachable(url: str | None = None, timeout: float = 5.0) -> str | None:
+    """Why no Prefect API answers at ``url`` (default: ``PREFECT_API_URL`` of the
+    environment), or None if one does or none is named (the temporary server will
+    be started). Any HTTP answer counts: a server is there. Read from the
+    environment, not Prefect's settings, whose import writes ``PREFECT_HOME``."""
+    url = url if url is not None else os.environ.get("PREFECT_API_URL")
+    if not url:
+        return None
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout):
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+    except (OSError, ValueError) as exc:
+        reason = exc
+    text = (reason.strerror if isinstance(reason, OSError) and reason.strerror else
+            str(reason)) or type(reason).__name__
+    return text
