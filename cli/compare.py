@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cli.console import fail
 from tracking import compare as comparing
 
 
@@ -63,8 +64,7 @@ def compare_command(
         result = comparing.compare(specs, tracking_uri=tracking_uri, out_dir=out,
                                    formats=formats, log=log_run)
     except comparing.CompareError as exc:
-        Console(stderr=True).print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        raise fail(str(exc)) from None
     console.print(rich_table(result.rows, console.width))
     for path in [result.csv_path, result.md_path, *result.plots]:
         if path is not None:

@@ -136,3 +136,20 @@ def test_resume_with_a_stale_prefect_api_url_writes_nothing(user, new_run, monke
     assert result.exit_code == 2, result.output
     assert "no Prefect API answers" in one_line(result.stderr)
     assert tree(new_run.parent.parent) == before
+
+
+# -- an unreachable MLflow server ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("via", ["option", "environment"])
+def test_compare_names_an_unreachable_tracking_server(user, tmp_path, monkeypatch, via):
+    uri = f"http://127.0.0.1:{closed_port()}/"
+    if via == "environment":
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    result = user.invoke(app, ["compare", "x", *(["--tracking-uri", uri]
+                                                   if via == "option" else [])])
+    assert result.exit_code == 2, result.output
+    line = one_line(result.stderr)
+    assert f"cannot reach the MLflow tracking server {uri} (Connection refused)" in line
+    assert "--tracking-uri or MLFLOW_TRACKING_URI" in line
+    assert tree(tmp_path) == []

@@ -35,6 +35,8 @@ from tracking.settings import (
     default_tracking_uri,
     experiment_name,
     short_http_retries,
+    strip_credentials,
+    tracking_unreachable,
 )
 
 log = logging.getLogger(__name__)
@@ -257,7 +259,13 @@ def compare(
     if not specs:
         raise CompareError("name at least one run (run id, run name or filter)")
     short_http_retries()
-    client = MlflowClient(tracking_uri=tracking_uri or default_tracking_uri())
+    uri = tracking_uri or default_tracking_uri()
+    why = tracking_unreachable(uri)
+    if why:
+        raise CompareError(
+            f"cannot reach the MLflow tracking server {strip_credentials(uri)} ({why}): "
+            "start it, or name a running one with --tracking-uri or MLFLOW_TRACKING_URI")
+    client = MlflowClient(tracking_uri=uri)
     runs = resolve_runs(client, list(specs))
     curves = [load_run_curves(client, run) for run in runs]
     rows = rows_for(curves)

@@ -18,6 +18,8 @@ import logging
 import os
 import re
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +170,21 @@ def schedule_of(config: dict[str, Any]) -> dict[str, int] | None:
     except Exception as exc:  # noqa: BLE001
         logging.getLogger(__name__).debug("no schedule from the config: %s", exc)
         return None
+
+
+def tracking_unreachable(uri: str, timeout: float = 5.0) -> str | None:
+    """Why no MLflow server answers at an ``http(s)`` tracking ``uri``, or None (any
+    HTTP answer counts: a server is there; other schemes are not probed)."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout):
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+    except (OSError, ValueError) as exc:
+        reason = exc
+    return (reason.strerror if isinstance(reason, OSError) and reason.strerror else
+            str(reason)) or type(reason).__name__
