@@ -153,3 +153,34 @@ def test_compare_names_an_unreachable_tracking_server(user, tmp_path, monkeypatc
     assert f"cannot reach the MLflow tracking server {uri} (Connection refused)" in line
     assert "--tracking-uri or MLFLOW_TRACKING_URI" in line
     assert tree(tmp_path) == []
+
+
+# -- a bad --set --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sets, blamed, why", [
+    (["train.steps=abc"], "--set train.steps=abc", "train.steps: Input should be a valid "
+                                                   "integer"),
+    (["train.stepz=5"], "--set train.stepz=5", "train: unknown field(s) stepz"),
+    (["train.steps=5", "sync.fragments=7"], "--set sync.fragments=7",
+     "sync: sync_every (H) must be divisible by fragments (P)"),
+    (["sync.fragments=7", "sync.sync_every=28", "train.steps=abc"],
+     "--set train.steps=abc", "train.steps:"),  # fragments=7 was made valid again
+], ids=["bad-value", "unknown-field", "bad-combination", "a-later-one"])
+def test_a_bad_set_is_named_not_the_recipe(user, tmp_path, sets, blamed, why):
+    result = user.invoke(app, ["run", *(a for s in sets for a in ("--set", s))])
+    assert result.exit_code == 2, result.output
+    line = one_line(result.stderr)
+    assert line.startswith(f"error: {blamed}: invalid configuration: {why}"), line
+    assert "tiny.yaml" not in line
+    assert tree(tmp_path) == []
+
+
+def test_an_invalid_recipe_file_is_still_named(user, tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("train:\n  steps: abc\n")
+    result = user.invoke(app, ["run", str(recipe), "--set", "train.eval_every=5"])
+    assert result.exit_code == 2, result.output
+    assert one_line(result.stderr).startswith(f"error: {recipe}: invalid configuration: "
+                                              "train.steps:")
+    assert tree(tmp_path) == ["mine.yaml"]

@@ -9,6 +9,7 @@ use dotted paths (``sync.sync_every=20``, ``model.n_layers=2``).
 
 from __future__ import annotations
 
+import copy
 from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -232,6 +233,26 @@ def resolve_recipe(name_or_path: str | Path) -> Path | Traversable:
     )
 
 
+def _blamed(recipe: dict[str, Any], overrides: list[str], where: str) -> str:
+    """Who to name for an invalid configuration: the recipe itself if it is invalid,
+    else the ``--set`` from which on the configuration stayed invalid (an earlier
+    one a later ``--set`` made valid again is not to blame)."""
+    tree = copy.deepcopy(recipe)
+    blamed: str | None = None
+    for item in [None, *overrides]:
+        if item is not None:
+            key, value = parse_override(item)
+            _set_dotted(tree, key, value)
+        try:
+            RunConfig.model_validate(tree)
+            blamed = None
+        except ValidationError:
+            if item is None:
+                return where
+            blamed = blamed or f"--set {item}"
+    return blamed or where
+
+
 def load_config(
     source: str | Path | dict[str, Any] | None = None, overrides: list[str] | None = None
 ) -> RunConfig:
@@ -251,12 +272,14 @@ def load_config(
             raise ConfigError(f"{where}: not valid YAML: {exc}") from exc
         if not isinstance(tree, dict):
             raise ConfigError(f"{where}: the top level must be a mapping of sections")
+    recipe = copy.deepcopy(tree)
     for item in overrides or []:
         key, value = parse_override(item)
         _set_dotted(tree, key, value)
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as exc:
+        where = _blamed(recipe, overrides or [], where)
         lines = []
         for err in exc.errors():
             loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
