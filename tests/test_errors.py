@@ -184,3 +184,10 @@ def test_an_invalid_recipe_file_is_still_named(user, tmp_path):
     assert one_line(result.stderr).startswith(f"error: {recipe}: invalid configuration: "
                                               "train.steps:")
     assert tree(tmp_path) == ["mine.yaml"]
+
+
+def test_compare_without_a_tracking_database_creates_none(user, tmp_path):
+    result = user.invoke(app, ["compare", "x"])
+    assert result.exit_code == 2, result.output
+    assert f"no MLflow database at {tmp_path / 'mlflow.db'}" in one_line(result.stderr)
+    assert tree(tmp_path) == []

@@ -265,6 +265,11 @@ def compare(
         raise CompareError(
             f"cannot reach the MLflow tracking server {strip_credentials(uri)} ({why}): "
             "start it, or name a running one with --tracking-uri or MLFLOW_TRACKING_URI")
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        raise CompareError(
+            f"no MLflow database at {uri.removeprefix('sqlite:///')} (no run was tracked "
+            "here): run diloco compare where diloco run ran, or name the tracking store "
+            "with --tracking-uri or MLFLOW_TRACKING_URI")
     client = MlflowClient(tracking_uri=uri)
     runs = resolve_runs(client, list(specs))
     curves = [load_run_curves(client, run) for run in runs]
