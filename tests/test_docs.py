@@ -16,9 +16,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: Documents that live outside the repository; a user has only the repository.
 OUTSIDE = re.compile(r"\.\./shared|DESIGN\.md|ALGORITHMS\.md|STYLE\.md")
-#: The CI entry point belongs to the machinery that runs the project's CI (it
-#: describes the machine it runs on), not to the project's own documents.
-NOT_OURS = (".ci/",)
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -29,7 +26,7 @@ def _tracked() -> list[Path]:
     except (OSError, subprocess.CalledProcessError):  # pragma: no cover - not a checkout
         pytest.skip("not a git checkout")
     return [ROOT / name for name in out.split("\0")
-            if name and not name.startswith((".venv/", *NOT_OURS)) and (ROOT / name).is_file()]
+            if name and not name.startswith(".venv/") and (ROOT / name).is_file()]
 
 
 def _docs() -> list[Path]:
