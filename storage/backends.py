@@ -111,7 +111,7 @@ def refuse_credentials(url: str, *, what: str = "store URL") -> str:
     found = _credentials_in(url)
     if found:
         raise CredentialsInURL(
-            f"{what} {_safe_url(url)}: credentials in a URL ({found}) would be stored "
+            f"{what} {safe_url(url)}: credentials in a URL ({found}) would be stored "
             f"with the run and shown; remove them and {USE_THE_ENVIRONMENT}"
         )
     return url
@@ -146,8 +146,8 @@ def _credentials_in(url: str) -> str:
     return ""
 
 
-def _safe_url(url: str) -> str:
-    """``url`` without user info or query, for messages."""
+def safe_url(url: str) -> str:
+    """``url`` without user info or query, for messages (a secret is never shown)."""
     scheme, _, rest = url.partition("://")
     rest = rest.split("?", 1)[0]
     first = rest.split("/", 1)[0]
@@ -265,7 +265,7 @@ def _scheme_of(url: str) -> str:
     scheme = url.split("://", 1)[0].lower()
     if scheme not in SCHEMES:
         raise ValueError(
-            f"unsupported store URL {_safe_url(url)!r}: scheme {scheme!r} is not "
+            f"unsupported store URL {safe_url(url)!r}: scheme {scheme!r} is not "
             f"one of {', '.join(s + '://' for s in SCHEMES)} (or a plain local path)"
         )
     return scheme

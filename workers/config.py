@@ -28,7 +28,7 @@ from pydantic import (
 from diloco.config import SyncConfig
 from diloco.strict import names_unknown_fields
 from storage import layout
-from storage.backends import refuse_credentials
+from storage.backends import refuse_credentials, safe_url
 from workers.model import PRESETS, ModelConfig
 
 #: The shipped recipes (``workers/recipes/*.yaml``): package data, so a wheel installed
@@ -249,7 +249,12 @@ def _blamed(recipe: dict[str, Any], overrides: list[str], where: str) -> str:
         except ValidationError:
             if item is None:
                 return where
-            blamed = blamed or f"--set {item}"
+            # a URL value is shown without user info or query: it may carry
+            # credentials, which are never printed
+            raw = item.partition("=")[2].strip()
+            shown = (safe_url(value) if isinstance(value, str) and "://" in value
+                     else "..." if "://" in raw else raw)
+            blamed = blamed or f"--set {key}={shown}"
     return blamed or where
 
 
