@@ -25,9 +25,9 @@ import signal
 import subprocess
 import sys
 import threading
-import urllib.error
-import urllib.request
 from typing import Any
+
+from tracking.settings import unanswered
 
 log = logging.getLogger(__name__)
 
@@ -122,17 +122,4 @@ def api_unreachable(url: str | None = None, timeout: float = 5.0) -> str | None:
     be started). Any HTTP answer counts: a server is there. Read from the
     environment, not Prefect's settings, whose import writes ``PREFECT_HOME``."""
     url = url if url is not None else os.environ.get("PREFECT_API_URL")
-    if not url:
-        return None
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout):
-            return None
-    except urllib.error.HTTPError:
-        return None
-    except urllib.error.URLError as exc:
-        reason = exc.reason
-    except (OSError, ValueError) as exc:
-        reason = exc
-    text = (reason.strerror if isinstance(reason, OSError) and reason.strerror else
-            str(reason)) or type(reason).__name__
-    return text
+    return unanswered(url, timeout) if url else None

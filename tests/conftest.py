@@ -262,3 +262,22 @@ def make_store(store_url: dict[str, Any]) -> Callable[..., ObjectStore]:
         )
 
     return make
+
+
+@pytest.fixture
+def in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The ``diloco`` command in this process (fast), as a user with a clean
+    environment would run it: no Prefect, MLflow, diloco or AWS settings from the
+    caller, a PREFECT_HOME of its own, cwd = tmp_path. What the command sets in
+    the environment for itself is removed afterwards."""
+    from typer.testing import CliRunner
+
+    for key in list(os.environ):
+        if key.startswith(("PREFECT_", "MLFLOW_", "DILOCO_", "AWS_")):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+    monkeypatch.chdir(tmp_path)
+    before = dict(os.environ)
+    yield CliRunner()
+    for key in set(os.environ) - set(before):  # what the command set for itself
+        del os.environ[key]

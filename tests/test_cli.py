@@ -108,20 +108,6 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def in_process(tmp_path, monkeypatch):
-    """The command in this process (fast): a clean environment, cwd = tmp_path."""
-    for key in list(os.environ):
-        if key.startswith(("PREFECT_", "MLFLOW_", "DILOCO_", "AWS_")):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
-    monkeypatch.chdir(tmp_path)
-    before = dict(os.environ)
-    yield CliRunner()
-    for key in set(os.environ) - set(before):  # what the command set for itself
-        del os.environ[key]
-
-
 @pytest.mark.parametrize("args, expected", [
     (["--set", "train.stepz=5"], "train: unknown field(s) stepz; allowed: steps"),
     (["--set", "train.steps=-1"], "train.steps: Input should be greater than or equal to 1"),

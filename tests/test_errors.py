@@ -4,12 +4,10 @@ value, an unreachable Prefect API or MLflow server, a bad ``--set``."""
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from cli.app import app
 from storage.objectstore import ObjectStore
@@ -35,20 +33,6 @@ def one_line(stderr: str) -> str:
     lines = " ".join(stderr.split())  # rich wraps at the console's width
     assert lines.startswith("error: ") and lines.count("error:") == 1, stderr
     return lines
-
-
-@pytest.fixture
-def user(tmp_path, monkeypatch):
-    """The command in this process: a clean environment, cwd = tmp_path."""
-    for key in list(os.environ):
-        if key.startswith(("PREFECT_", "MLFLOW_", "DILOCO_", "AWS_")):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
-    monkeypatch.chdir(tmp_path)
-    before = dict(os.environ)
-    yield CliRunner()
-    for key in set(os.environ) - set(before):  # what the command set for itself
-        del os.environ[key]
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +64,9 @@ def finished_run(new_run) -> Path:
 
 
 @pytest.mark.parametrize("command", ["cancel", "resume"])
-def test_a_finished_run_is_not_cancelled_or_resumed(user, finished_run, command):
+def test_a_finished_run_is_not_cancelled_or_resumed(in_process, finished_run, command):
     before = tree(finished_run)
-    result = user.invoke(app, [command, finished_run.name])
+    result = in_process.invoke(app, [command, finished_run.name])
     assert result.exit_code == 2, result.output
     line = one_line(result.stderr)
     assert f"runs/{finished_run.name} has finished; there is nothing to {command}" in line
@@ -94,8 +78,8 @@ def test_a_finished_run_is_not_cancelled_or_resumed(user, finished_run, command)
 
 
 @pytest.mark.parametrize("command", [["run"], ["resume", "nope"]])
-def test_an_unknown_backend_names_the_option_and_the_choices(user, tmp_path, command):
-    result = user.invoke(app, [*command, "--backend", "k8s"])
+def test_an_unknown_backend_names_the_option_and_the_choices(in_process, tmp_path, command):
+    result = in_process.invoke(app, [*command, "--backend", "k8s"])
     assert result.exit_code == 2, result.output
     assert one_line(result.stderr) == ("error: --backend k8s: no such backend; use one of: "
                                        "local, deployments")
@@ -119,20 +103,20 @@ def closed_port() -> int:
     (["--backend", "deployments"], "start that server (prefect server start)"),
 ], ids=["default", "local-s3", "deployments"])
 def test_a_stale_prefect_api_url_is_named_before_anything_is_written(
-        user, tmp_path, monkeypatch, args, todo):
+        in_process, tmp_path, monkeypatch, args, todo):
     url = f"http://127.0.0.1:{closed_port()}/api"
     monkeypatch.setenv("PREFECT_API_URL", url)
-    result = user.invoke(app, ["run", *args])
+    result = in_process.invoke(app, ["run", *args])
     assert result.exit_code == 2, result.output
     line = one_line(result.stderr)
     assert f"PREFECT_API_URL={url}: no Prefect API answers" in line and todo in line
     assert tree(tmp_path) == []  # no data/, no run, no mlflow.db, no Prefect home
 
 
-def test_resume_with_a_stale_prefect_api_url_writes_nothing(user, new_run, monkeypatch):
+def test_resume_with_a_stale_prefect_api_url_writes_nothing(in_process, new_run, monkeypatch):
     monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{closed_port()}/api")
     before = tree(new_run.parent.parent)
-    result = user.invoke(app, ["resume", new_run.name])
+    result = in_process.invoke(app, ["resume", new_run.name])
     assert result.exit_code == 2, result.output
     assert "no Prefect API answers" in one_line(result.stderr)
     assert tree(new_run.parent.parent) == before
@@ -142,11 +126,11 @@ def test_resume_with_a_stale_prefect_api_url_writes_nothing(user, new_run, monke
 
 
 @pytest.mark.parametrize("via", ["option", "environment"])
-def test_compare_names_an_unreachable_tracking_server(user, tmp_path, monkeypatch, via):
+def test_compare_names_an_unreachable_tracking_server(in_process, tmp_path, monkeypatch, via):
     uri = f"http://127.0.0.1:{closed_port()}/"
     if via == "environment":
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    result = user.invoke(app, ["compare", "x", *(["--tracking-uri", uri]
+    result = in_process.invoke(app, ["compare", "x", *(["--tracking-uri", uri]
                                                    if via == "option" else [])])
     assert result.exit_code == 2, result.output
     line = one_line(result.stderr)
@@ -167,8 +151,8 @@ def test_compare_names_an_unreachable_tracking_server(user, tmp_path, monkeypatc
     (["sync.fragments=7", "sync.sync_every=28", "train.steps=abc"],
      "--set train.steps=abc", "train.steps:"),  # fragments=7 was made valid again
 ], ids=["bad-value", "unknown-field", "bad-combination", "a-later-one"])
-def test_a_bad_set_is_named_not_the_recipe(user, tmp_path, sets, blamed, why):
-    result = user.invoke(app, ["run", *(a for s in sets for a in ("--set", s))])
+def test_a_bad_set_is_named_not_the_recipe(in_process, tmp_path, sets, blamed, why):
+    result = in_process.invoke(app, ["run", *(a for s in sets for a in ("--set", s))])
     assert result.exit_code == 2, result.output
     line = one_line(result.stderr)
     assert line.startswith(f"error: {blamed}: invalid configuration: {why}"), line
@@ -176,18 +160,18 @@ def test_a_bad_set_is_named_not_the_recipe(user, tmp_path, sets, blamed, why):
     assert tree(tmp_path) == []
 
 
-def test_an_invalid_recipe_file_is_still_named(user, tmp_path):
+def test_an_invalid_recipe_file_is_still_named(in_process, tmp_path):
     recipe = tmp_path / "mine.yaml"
     recipe.write_text("train:\n  steps: abc\n")
-    result = user.invoke(app, ["run", str(recipe), "--set", "train.eval_every=5"])
+    result = in_process.invoke(app, ["run", str(recipe), "--set", "train.eval_every=5"])
     assert result.exit_code == 2, result.output
     assert one_line(result.stderr).startswith(f"error: {recipe}: invalid configuration: "
                                               "train.steps:")
     assert tree(tmp_path) == ["mine.yaml"]
 
 
-def test_compare_without_a_tracking_database_creates_none(user, tmp_path):
-    result = user.invoke(app, ["compare", "x"])
+def test_compare_without_a_tracking_database_creates_none(in_process, tmp_path):
+    result = in_process.invoke(app, ["compare", "x"])
     assert result.exit_code == 2, result.output
     assert f"no MLflow database at {tmp_path / 'mlflow.db'}" in one_line(result.stderr)
     assert tree(tmp_path) == []

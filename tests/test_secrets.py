@@ -13,7 +13,6 @@ database or a command line.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -24,7 +23,6 @@ from pathlib import Path
 import boto3
 import pytest
 from cli_runs import SHORT, clean_env, descendants
-from typer.testing import CliRunner
 
 from cli.app import app
 from storage.backends import CredentialsInURL
@@ -67,19 +65,11 @@ def refused(text: str) -> str:
 
 
 @pytest.fixture
-def in_process(tmp_path, monkeypatch, s3_env):
-    """The command in this process, cwd = tmp_path, the S3 test server's endpoint."""
-    for key in list(os.environ):
-        if key.startswith(("PREFECT_", "MLFLOW_", "DILOCO_", "AWS_")):
-            monkeypatch.delenv(key)
+def in_process(in_process, monkeypatch, s3_env):
+    """conftest's command in this process, with the S3 test server's endpoint."""
     for key, value in s3_env.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
-    monkeypatch.chdir(tmp_path)
-    before = dict(os.environ)
-    yield CliRunner()
-    for key in set(os.environ) - set(before):
-        del os.environ[key]
+    return in_process
 
 
 # -- credentials where they do not belong: refused before anything is written ---------------

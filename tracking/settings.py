@@ -172,13 +172,14 @@ def schedule_of(config: dict[str, Any]) -> dict[str, int] | None:
         return None
 
 
-def tracking_unreachable(uri: str, timeout: float = 5.0) -> str | None:
-    """Why no MLflow server answers at an ``http(s)`` tracking ``uri``, or None (any
-    HTTP answer counts: a server is there; other schemes are not probed)."""
-    if not uri.startswith(("http://", "https://")):
-        return None
+def unanswered(base_url: str, timeout: float = 5.0) -> str | None:
+    """Why nothing answers ``GET base_url/health`` (a refused connection, a timeout,
+    a bad URL), or None if something does: any HTTP answer counts, a server is
+    there. MLflow and Prefect servers both serve ``/health``; the command checks
+    each before it writes anything (`tracking_unreachable`, and flows.server's
+    ``api_unreachable``)."""
     try:
-        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout):
+        with urllib.request.urlopen(f"{base_url.rstrip('/')}/health", timeout=timeout):
             return None
     except urllib.error.HTTPError:
         return None
@@ -188,3 +189,11 @@ def tracking_unreachable(uri: str, timeout: float = 5.0) -> str | None:
         reason = exc
     return (reason.strerror if isinstance(reason, OSError) and reason.strerror else
             str(reason)) or type(reason).__name__
+
+
+def tracking_unreachable(uri: str, timeout: float = 5.0) -> str | None:
+    """Why no MLflow server answers at an ``http(s)`` tracking ``uri``, or None (any
+    HTTP answer counts: a server is there; other schemes are not probed)."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    return unanswered(uri, timeout)
