@@ -231,16 +231,21 @@ def check_tiny_run(client: MlflowClient, run_url: str, store: ObjectStore) -> di
         assert history(client, rid, "result/wait_seconds") == [(60, 0.6)]
     agg = by_name["aggregator"].info.run_id
     assert by_name["aggregator"].info.status == "FINISHED"
-    # step = r*P + p: merge points k = 1..6 are steps 0..5; fragment 0 at even steps
-    assert history(client, agg, "grad_norm/frag0") == [(0, 2.0), (2, 4.0), (4, 6.0)]
-    assert history(client, agg, "grad_norm/frag1") == [(1, 3.0), (3, 5.0), (5, 7.0)]
-    assert history(client, agg, "participation") == [(k, 2.0) for k in range(6)]
-    assert history(client, agg, "weight/region-a") == [(k, 0.5) for k in range(6)]
-    assert history(client, agg, "round_seconds") == [(k, 0.25) for k in range(6)]
-    assert history(client, agg, "inner_step") == [(k, 10.0 * (k + 1)) for k in range(6)]
-    assert_history(client, agg, "eval_loss", [(1, 4.5), (3, 4.0), (5, 3.5)])
+    # one step axis: merge point k = r*P + p (0..5) sits at its inner step 10 (k+1);
+    # fragment 0 at 10, 30, 50; the round (r) and merge point (k) are metrics
+    assert history(client, agg, "grad_norm/frag0") == [(10, 2.0), (30, 4.0), (50, 6.0)]
+    assert history(client, agg, "grad_norm/frag1") == [(20, 3.0), (40, 5.0), (60, 7.0)]
+    assert history(client, agg, "participation") == [(10 * (k + 1), 2.0) for k in range(6)]
+    assert history(client, agg, "weight/region-a") == [(10 * (k + 1), 0.5) for k in range(6)]
+    assert history(client, agg, "round_seconds") == [(10 * (k + 1), 0.25) for k in range(6)]
+    assert history(client, agg, "inner_step") == [(10 * (k + 1), 10.0 * (k + 1))
+                                                  for k in range(6)]
+    assert history(client, agg, "round") == [(10 * (k + 1), float(k // 2)) for k in range(6)]
+    assert history(client, agg, "merge_point") == [(10 * (k + 1), float(k)) for k in range(6)]
+    # the same steps as the workers' eval_loss (20, 40, 60): the curves line up
+    assert_history(client, agg, "eval_loss", [(20, 4.5), (40, 4.0), (60, 3.5)])
     assert len(history(client, agg, "perplexity")) == 3
-    assert history(client, agg, "bytes_down")[-1] == (5, 1200.0)
+    assert history(client, agg, "bytes_down")[-1] == (60, 1200.0)
 
     artifacts = {f.path for f in client.list_artifacts(parent.info.run_id)}
     assert {"summary.json", "config.yaml", "plots"} <= artifacts
@@ -578,9 +583,11 @@ def test_micro_training_run_through_the_train_job(sqlite_tracking: str, tmp_path
         assert history(client, rid, "bytes_up")[-1][1] > 0
     agg = kids["aggregator"].info.run_id
     # H = 10, P = 2, 20 steps: rounds 0 and 1 of each fragment at merge points 1..4,
-    # and a final round of each (merge alpha 0.5 > 0) at 5 and 6
-    assert [s for s, _ in history(client, agg, "grad_norm/frag0")] == [0, 2, 4]
-    assert [s for s, _ in history(client, agg, "grad_norm/frag1")] == [1, 3, 5]
+    # and a final round of each (merge alpha 0.5 > 0) at 5 and 6; logged at their inner
+    # steps 5 (k + 1), the final rounds at the last step (20)
+    assert [s for s, _ in history(client, agg, "grad_norm/frag0")] == [5, 15, 20]
+    assert [s for s, _ in history(client, agg, "grad_norm/frag1")] == [10, 20, 20]
+    assert [v for _, v in history(client, agg, "round")] == [0, 0, 1, 1, 2, 2]
     assert history(client, agg, "eval_loss")
     plots = {Path(f.path).name for f in client.list_artifacts(parent.info.run_id, "plots")}
     assert plots == set(RUN_PLOTS)
@@ -610,3 +617,28 @@ def test_a_stall_shows_on_the_aggregators_run(sqlite_tracking: str, tmp_path: Pa
                                   filter_string="tags.`diloco.role` = 'aggregator'")
     assert child.data.tags["diloco.stalled"] == text
     assert [v for _, v in history(client, child.info.run_id, "stalled_s")] == [75.0]
+
+
+def test_curves_read_old_and_new_aggregator_steps(sqlite_tracking: str) -> None:
+    """Runs logged before the one step axis have the aggregator's eval at merge
+    point k with ``inner_step`` mapping k to the inner step; new runs log at the inner
+    step. Both read back on the workers' axis."""
+    from mlflow.entities import Metric
+
+    from tracking.curves import load_run_curves
+
+    client = MlflowClient(sqlite_tracking)
+    exp = client.create_experiment("old-and-new")
+    for style in ("old", "new"):
+        parent = client.create_run(exp, run_name=style, tags={"diloco.role": "train"})
+        agg = client.create_run(exp, run_name="aggregator", tags={
+            "mlflow.parentRunId": parent.info.run_id, "diloco.role": "aggregator"})
+        metrics = []
+        for k, loss in ((1, 4.5), (3, 4.0), (5, 3.5)):
+            step = k if style == "old" else 10 * (k + 1)
+            metrics += [Metric("eval_loss", loss, 1000 + k, step),
+                        Metric("inner_step", 10.0 * (k + 1), 1000 + k, step)]
+        client.log_batch(agg.info.run_id, metrics=metrics, synchronous=True)
+        ev = load_run_curves(client, client.get_run(parent.info.run_id)).canonical_eval()
+        assert ev.steps.tolist() == [20, 40, 60], style
+        assert ev.values.tolist() == [4.5, 4.0, 3.5], style

@@ -1,9 +1,15 @@
 """What each job's reports become in MLflow: metric names, values and steps.
 
-A worker logs at its inner step. The aggregator logs a round at its merge point in
-the whole schedule, ``k = r * P + p`` for round ``r`` of fragment ``p`` of ``P``
-(unique, and the same after a restart), plus ``inner_step``, the workers' step at
-that merge point, so that its curves can be drawn on the workers' axis.
+One step axis for every metric: the workers' inner step. A worker logs at its inner
+step; the aggregator logs a round at the inner step of its merge point, ``(k + 1) *
+H / P`` for merge point ``k = r * P + p`` (round ``r`` of fragment ``p`` of ``P``;
+unique, and the same after a restart), so its eval loss lines up with the workers'
+in the MLflow UI. The round is its own metric: ``round`` (``r``) and ``merge_point``
+(``k``); ``inner_step`` is logged too (its value is its step). Without a schedule
+(no tracking.json yet, or a config the hooks cannot read) the step is ``k``.
+
+Runs logged before this convention have the aggregator's metrics at step ``k`` and
+``inner_step`` mapping ``k`` to the inner step; `tracking.curves` reads both.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-ROUND_EXTRAS = ("eval_loss", "perplexity", "bytes_up", "bytes_down")
+ROUND_EXTRAS = ("eval_loss", "perplexity", "bytes_up", "bytes_down", "bytes_checkpoints")
 
 
 def is_number(value: Any) -> bool:
@@ -34,8 +40,8 @@ def numbers(report: dict[str, Any], ts: int, step: int, *, prefix: str = "",
 
 def round_size(report: dict[str, Any]) -> int:
     """How many metrics `round_metrics` makes of a report (counted before the
-    schedule is known): four, one weight per worker, the extras, inner_step."""
-    return 5 + len(report.get("weights") or {}) + sum(
+    schedule is known): six, one weight per worker, the extras, inner_step."""
+    return 7 + len(report.get("weights") or {}) + sum(
         1 for k in ROUND_EXTRAS if is_number(report.get(k)))
 
 
@@ -47,38 +53,52 @@ def round_index(report: dict[str, Any], schedule: dict[str, int]) -> int | None:
     return int(report.get("round", 0)) * frags + int(report.get("fragment", 0))
 
 
+def inner_step(k: int, schedule: dict[str, int]) -> int | None:
+    """The workers' inner step at merge point ``k``; None without a schedule."""
+    frags = int(schedule.get("fragments") or 0)
+    if frags <= 0 or not schedule.get("sync_every"):
+        return None
+    inner = (k + 1) * (int(schedule["sync_every"]) // frags)
+    if schedule.get("total_steps"):
+        inner = min(inner, int(schedule["total_steps"]))
+    return inner
+
+
 def round_metrics(report: dict[str, Any], schedule: dict[str, int], ts: int,
                   k: int) -> list[Any]:
-    """The aggregator's metrics of one round, at step ``k`` (see the module
-    docstring); ``inner_step`` when the schedule says where merge point k is."""
+    """The aggregator's metrics of merge point ``k``, at its inner step (see the
+    module docstring; at ``k`` without a schedule)."""
     metric = _metric_type()
     p = int(report.get("fragment", 0))
     weights = report.get("weights") or {}
-    out = [metric(f"grad_norm/frag{p}", float(report.get("grad_norm", math.nan)), ts, k),
-           metric("participation", float(len(weights)), ts, k),
-           metric("rejected", float(len(report.get("rejected") or {})), ts, k),
-           metric("round_seconds", float(report.get("seconds", math.nan)), ts, k)]
-    out += [metric(f"weight/{w}", float(v), ts, k) for w, v in weights.items()]
-    out += [metric(name, float(report[name]), ts, k) for name in ROUND_EXTRAS
+    inner = inner_step(k, schedule)
+    step = k if inner is None else inner
+    out = [metric(f"grad_norm/frag{p}", float(report.get("grad_norm", math.nan)), ts, step),
+           metric("participation", float(len(weights)), ts, step),
+           metric("rejected", float(len(report.get("rejected") or {})), ts, step),
+           metric("round_seconds", float(report.get("seconds", math.nan)), ts, step),
+           metric("round", float(report.get("round", 0)), ts, step),
+           metric("merge_point", float(k), ts, step)]
+    out += [metric(f"weight/{w}", float(v), ts, step) for w, v in weights.items()]
+    out += [metric(name, float(report[name]), ts, step) for name in ROUND_EXTRAS
             if is_number(report.get(name))]
-    frags = int(schedule.get("fragments") or 0)
-    if frags > 0 and schedule.get("sync_every"):
-        inner = (k + 1) * (int(schedule["sync_every"]) // frags)
-        if schedule.get("total_steps"):
-            inner = min(inner, int(schedule["total_steps"]))
-        out.append(metric("inner_step", float(inner), ts, k))
+    if inner is not None:
+        out.append(metric("inner_step", float(inner), ts, step))
     return out
 
 
-def eval_metrics(values: dict[str, float], rounds: int, ts: int) -> list[Any]:
-    """The final evaluation of the canonical model, at the index of the last round
-    applied (whose report already placed ``inner_step`` there)."""
+def eval_metrics(values: dict[str, float], rounds: int, ts: int,
+                 schedule: dict[str, int] | None = None) -> list[Any]:
+    """The final evaluation of the canonical model, at the inner step of the last
+    merge point applied (``rounds - 1``; that index without a schedule)."""
     metric = _metric_type()
     k = max(0, rounds - 1)
-    return [metric(name, float(v), ts, k) for name, v in values.items()]
+    inner = inner_step(k, schedule or {})
+    step = k if inner is None else inner
+    return [metric(name, float(v), ts, step) for name, v in values.items()]
 
 
 def stall_metrics(waited_s: float, ts: int, step: int) -> list[Any]:
     """``stalled_s``: how long the aggregator has applied no round (0 once it does
-    again), at the index of the rounds applied so far."""
+    again), at the step of the last round logged."""
     return [_metric_type()("stalled_s", float(waited_s), ts, step)]

@@ -161,7 +161,7 @@ class MlflowHooks(Hooks):
         self._config: dict[str, Any] | None = None
         self._n_params: int | None = None
         self._round_counter = 0
-        self._rounds_seen = 0  # round reports so far: where a stall's metric sits
+        self._last_step = 0  # of the aggregator's last round: where a stall's metric sits
         self._started_ms: int | None = None
         self._last_error = ""
         self._outage_since: float | None = None
@@ -221,7 +221,6 @@ class MlflowHooks(Hooks):
             log.debug("worker_finished not tracked", exc_info=True)
 
     def aggregator_round(self, report: dict[str, Any]) -> None:
-        self._rounds_seen += 1
         try:
             ts = int(time.time() * 1000)
             report = dict(report, weights=dict(report.get("weights") or {}))
@@ -230,14 +229,16 @@ class MlflowHooks(Hooks):
                 k = round_index(report, self.links.schedule)
                 if k is None:
                     k, self._round_counter = self._round_counter, self._round_counter + 1
-                return round_metrics(report, self.links.schedule, ts, k)
+                found = round_metrics(report, self.links.schedule, ts, k)
+                self._last_step = max(self._last_step, int(found[0].step))
+                return found
 
             self.sender.log("aggregator", build, round_size(report))
         except Exception:  # noqa: BLE001
             log.debug("aggregator_round not tracked", exc_info=True)
 
     def aggregator_eval(self, report: dict[str, Any]) -> None:
-        """The final evaluation of the canonical model, at the index of the last
+        """The final evaluation of the canonical model, at the inner step of the last
         round applied (where a round report's eval would sit)."""
         try:
             ts = int(time.time() * 1000)
@@ -245,8 +246,10 @@ class MlflowHooks(Hooks):
                       if is_number(report.get(k))}
             if values:
                 rounds = int(report.get("rounds", 1))
-                self.sender.log("aggregator", lambda: eval_metrics(values, rounds, ts),
-                                len(values))
+                self.sender.log(
+                    "aggregator",
+                    lambda: eval_metrics(values, rounds, ts, self.links.schedule),
+                    len(values))
         except Exception:  # noqa: BLE001
             log.debug("aggregator_eval not tracked", exc_info=True)
 
@@ -254,12 +257,12 @@ class MlflowHooks(Hooks):
         """Tag ``diloco.stalled`` (who is missing since when; "" once rounds are applied
         again) and metric ``stalled_s`` on the aggregator's run."""
         try:
-            text, ts, step = "; ".join(s["text"] for s in stalls), int(time.time() * 1000), \
-                self._rounds_seen
+            text, ts = "; ".join(s["text"] for s in stalls), int(time.time() * 1000)
             self._task(_Task("tag diloco.stalled", lost={"tags": 1}, fn=lambda: self._set_tags(
                 "aggregator", {"diloco.stalled": text})))
             waited = max((float(s["waited_s"]) for s in stalls), default=0.0)
-            self.sender.log("aggregator", lambda: stall_metrics(waited, ts, step), 1)
+            self.sender.log("aggregator",
+                            lambda: stall_metrics(waited, ts, self._last_step), 1)
         except Exception:  # noqa: BLE001
             log.debug("aggregator_stalled not tracked", exc_info=True)
 
