@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import threading
 import time
@@ -33,6 +34,7 @@ from tracking.hooks import Hooks
 from tracking.mlflow_hooks import MlflowHooks, hooks_for
 from tracking.plots import RUN_PLOTS
 from tracking.runs import TRACKING_KEY
+from tracking.settings import git_commit
 from workers.config import RunConfig, load_config
 
 try:
@@ -202,6 +204,12 @@ def check_tiny_run(client: MlflowClient, run_url: str, store: ObjectStore) -> di
     assert tags["diloco.strategy"] == "diloco"
     assert tags["diloco.code_version"]
     assert "@" not in tags["diloco.store"]
+    # MLflow's standard tags: the UI shows the name, the source and the commit
+    assert tags["mlflow.runName"] == run_url.rsplit("/", 1)[-1]
+    assert tags["mlflow.source.type"] == "JOB"
+    assert tags["mlflow.source.name"] == "diloco train"
+    assert tags["mlflow.source.git.commit"] == git_commit()
+    assert re.fullmatch(r"[0-9a-f]{40}", tags["mlflow.source.git.commit"])
     assert params["train.steps"] == str(STEPS)
     assert params["sync.fragments"] == "2"
     assert params["workers"] == '["region-a", "region-b"]'
@@ -218,6 +226,9 @@ def check_tiny_run(client: MlflowClient, run_url: str, store: ObjectStore) -> di
         assert run.info.status == "FINISHED"
         assert run.data.tags["diloco.worker"] == w
         assert run.data.tags["diloco.info.host"] == "test"
+        assert run.data.tags["mlflow.runName"] == w
+        assert run.data.tags["mlflow.source.name"] == "diloco worker"
+        assert run.data.tags["mlflow.source.git.commit"] == git_commit()
         rid = run.info.run_id
         # log_every 10: steps 10..60; loss 5 - 0.02 t (+0.1 for region-b)
         off = 0.1 if w == "region-b" else 0.0
@@ -231,6 +242,8 @@ def check_tiny_run(client: MlflowClient, run_url: str, store: ObjectStore) -> di
         assert history(client, rid, "result/wait_seconds") == [(60, 0.6)]
     agg = by_name["aggregator"].info.run_id
     assert by_name["aggregator"].info.status == "FINISHED"
+    assert by_name["aggregator"].data.tags["mlflow.runName"] == "aggregator"
+    assert by_name["aggregator"].data.tags["mlflow.source.name"] == "diloco aggregator"
     # one step axis: merge point k = r*P + p (0..5) sits at its inner step 10 (k+1);
     # fragment 0 at 10, 30, 50; the round (r) and merge point (k) are metrics
     assert history(client, agg, "grad_norm/frag0") == [(10, 2.0), (30, 4.0), (50, 6.0)]

@@ -2,7 +2,11 @@
 
 One parent run per training run (tags for the store URL, regions, code version,
 mode and strategy), a child run per worker (named after it) and one for the
-aggregator. Every job of a run is its own process, possibly in another region, so
+aggregator. Each carries MLflow's standard tags: ``mlflow.runName`` (the parent:
+the store's run id; a child: the worker's name, or ``aggregator``),
+``mlflow.source.type`` (JOB), ``mlflow.source.name`` (``diloco train``,
+``diloco worker``, ``diloco aggregator``) and ``mlflow.source.git.commit`` when the
+code runs from a git checkout (``diloco.code_version`` keeps ``git describe``). Every job of a run is its own process, possibly in another region, so
 the parent is found through the run's store: the train job creates the parent and
 writes ``tracking.json`` there (create-only, like every object of the protocol)::
 
@@ -38,6 +42,7 @@ from tracking.settings import (
     code_version,
     default_tracking_uri,
     schedule_of,
+    source_tags,
     strip_credentials,
 )
 
@@ -164,6 +169,8 @@ class RunLinks:
             "diloco.mode": str(sync.get("mode", "")),
             "diloco.strategy": str(train.get("strategy", "diloco")),
             "diloco.config_name": str(config.get("name", "")),
+            "mlflow.runName": self.run_name,
+            **source_tags("diloco train"),
         }
         if self._created_parent is None:  # a retry must not create a second one
             self._created_parent = client.create_run(
@@ -219,6 +226,7 @@ class RunLinks:
             }
             if name:
                 tags["diloco.worker"] = name
+            tags.update({"mlflow.runName": name or role, **source_tags(f"diloco {role}")})
             run = client.create_run(info["experiment_id"], run_name=name or role, tags=tags)
             return run.info.run_id, False
         except Exception as exc:

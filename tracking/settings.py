@@ -153,6 +153,30 @@ def code_version() -> str:
         return "unknown"
 
 
+def git_commit() -> str | None:
+    """The full commit hash of this checkout (``mlflow.source.git.commit``), or None
+    when the code does not run from a git checkout (an installed wheel, an image)."""
+    repo = Path(__file__).resolve().parent.parent
+    if not (repo / ".git").exists():
+        return None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"],
+                             capture_output=True, text=True, timeout=5, check=False)
+        if out.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", out.stdout.strip()):
+            return out.stdout.strip()
+    return None
+
+
+def source_tags(name: str) -> dict[str, str]:
+    """MLflow's standard source tags of a job's run: ``mlflow.source.type`` (JOB),
+    ``mlflow.source.name`` (the job) and ``mlflow.source.git.commit`` when known."""
+    tags = {"mlflow.source.type": "JOB", "mlflow.source.name": name}
+    commit = git_commit()
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    return tags
+
+
 def schedule_of(config: dict[str, Any]) -> dict[str, int] | None:
     """What the aggregator's hooks need to place a round on the inner-step axis."""
     try:
