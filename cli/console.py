@@ -72,7 +72,11 @@ def quiet_logs(verbose: bool) -> None:
     """Before Prefect and MLflow are imported: their INFO lines would tear through
     the progress bars. The temporary server of the embedded default sends no
     telemetry (it would only print errors on machines without internet access)."""
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "ERROR")
+    # Prefect's loggers pass INFO, so the flow runs' logs reach its API (the UI shows
+    # them); its console handler shows only errors here, unless --verbose.
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL",
+                          "INFO" if verbose else "ERROR")
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     if not os.environ.get("PREFECT_API_URL"):
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

@@ -40,10 +40,12 @@ from flows.jobs import (
     EXIT_CODES,
     EXIT_USAGE,
     close_hooks,
+    flow_log,
     job_hooks,
     open_job_run,
     print_result,
     refuse_secret_parameters,
+    run_id_of,
     set_state,
     stop_on_signals,
     usage_errors,
@@ -188,6 +190,14 @@ def run_aggregator_job(
         traffic = exchange.store.traffic
         hooks.aggregator_round({**asdict(report), **evaluated, "bytes_up": traffic.bytes_up,
                                 "bytes_down": traffic.bytes_down})
+        evaluated_text = (f"; canonical eval loss {evaluated['eval_loss']:.4f}"
+                          if "eval_loss" in evaluated else "")
+        rejected = (f" ({len(report.rejected)} rejected: {', '.join(report.rejected)})"
+                    if report.rejected else "")
+        flow_log("round %d of fragment %d applied (%d of %d rounds): %d of %d workers%s%s; "
+                 "aggregator up %.2f MB, down %.2f MB", report.round, report.fragment,
+                 sum(agg.next_round), total, len(present), len(manifest.workers), rejected,
+                 evaluated_text, traffic.bytes_up / 1e6, traffic.bytes_down / 1e6)
 
     stalled: list[dict[str, Any]] = []
 
@@ -218,6 +228,8 @@ def run_aggregator_job(
             if agg.done:
                 final = maybe_evaluate(final=True)
                 if final:
+                    flow_log("canonical model after all %d rounds: eval loss %.4f",
+                             sum(agg.next_round), final["eval_loss"])
                     hooks.aggregator_eval({**final, "rounds": sum(agg.next_round),
                                            "final": True})
     except Exception as exc:
@@ -247,7 +259,14 @@ def prefect_log(message: str) -> None:
         get_run_logger().warning(message)
 
 
-@flow(name="aggregator", log_prints=True)
+def aggregator_run_name() -> str:
+    """``<run id>/aggregator``: the name of the aggregator's flow run."""
+    from prefect.runtime import flow_run  # noqa: PLC0415
+
+    return f"{run_id_of((flow_run.parameters or {}).get('run_url'))}/{NAME}"
+
+
+@flow(name="aggregator", log_prints=True, flow_run_name=aggregator_run_name)
 def aggregator(run_url: str, storage_options: dict | None = None, evaluate: bool = True):
     """The run's aggregator: reduces every round and steps the canonical model;
     restartable at any moment (it resumes from the store)."""

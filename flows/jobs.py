@@ -148,6 +148,29 @@ def set_state(store: ObjectStore, name: str, state: str, **fields: Any) -> None:
     StatusBoard(store, name).update(state, force=True, **{**kept, **fields})
 
 
+def flow_log(message: str, *args: Any, level: int = logging.INFO,
+             fallback: logging.Logger | None = None) -> bool:
+    """A line in the log of the Prefect flow (or task) run this code runs in, which
+    the API keeps and the UI shows; outside one (a job of the local launcher), the
+    line goes to ``fallback`` if given. True if it went to a flow run's log."""
+    from prefect import get_run_logger  # noqa: PLC0415
+    from prefect.exceptions import MissingContextError  # noqa: PLC0415
+
+    try:
+        logger = get_run_logger()
+    except MissingContextError:
+        if fallback is not None:
+            fallback.log(level, message, *args)
+        return False
+    logger.log(level, message, *args)
+    return True
+
+
+def run_id_of(run_url: str | None) -> str:
+    """The run's id: the last part of its URL (``tiny-20261124-101500``)."""
+    return (run_url or "").rstrip("/").rsplit("/", 1)[-1]
+
+
 def print_result(result: dict[str, Any]) -> None:
     """The last line a job prints: its result as JSON (parsed by tests and tools)."""
     print(json.dumps(result, default=str), flush=True)

@@ -258,7 +258,7 @@ class DeploymentLauncher:
         try:
             flow_run = run_deployment(
                 deployment, parameters=self.parameters(run_url, name), timeout=0,
-                idempotency_key=key, flow_run_name=f"{name} of {run_id}",
+                idempotency_key=key, flow_run_name=f"{run_id}/{name}",
                 tags=["diloco", f"run:{run_id}"],
             )
         except Exception as exc:  # ObjectNotFound, unreachable API...

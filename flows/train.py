@@ -29,13 +29,20 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from prefect import flow
 from prefect.states import Cancelled
 
 from flows.control import cancel_request, clear_cancel, request_cancel, write_launcher
-from flows.jobs import close_hooks, job_hooks, record_not_logged, refuse_secret_parameters
+from flows.jobs import (
+    close_hooks,
+    flow_log,
+    job_hooks,
+    record_not_logged,
+    refuse_secret_parameters,
+    run_id_of,
+)
 from flows.launchers import AGGREGATOR, DeploymentLauncher, Launcher, LocalLauncher
 from storage.backends import refuse_credentials
 from storage.exchange import Exchange
@@ -50,6 +57,14 @@ log = logging.getLogger(__name__)
 
 #: Seconds a job gets to checkpoint after SIGTERM / Cancelling before it is killed.
 STOP_GRACE_S = 60.0
+
+
+T = TypeVar("T", bound=Callable[..., Any])
+
+
+def plain(_name: str, fn: T) -> T:
+    """The stages of `run_train` as plain calls (the `train` flow makes them tasks)."""
+    return fn
 
 
 class JobFailed(Exception):
@@ -76,10 +91,15 @@ def run_train(
     poll_s: float = 1.0,
     stop_grace_s: float = STOP_GRACE_S,
     restarts: int = 1,
+    stage: Callable[[str, Callable[..., Any]], Callable[..., Any]] = plain,
 ) -> dict[str, Any]:
     """Run a training run to its end; returns the final report (``state``: finished
     or cancelled). Raises JobFailed if a job failed (after ``restarts`` relaunches
-    of a failed job), ConfigError, StoreUnreachable or RunExists before launching."""
+    of a failed job), ConfigError, StoreUnreachable or RunExists before launching.
+
+    ``stage(name, fn)`` wraps each stage (``create-run`` or ``open-run``,
+    ``launch-aggregator``, ``launch-workers``, ``wait``, ``report``): the `train`
+    flow passes one that makes them Prefect tasks, so its graph shows them."""
     start = time.monotonic()
     run_url = absolute(refuse_credentials(run_url, what="run_url"))
     if config is None and not resume:
@@ -87,14 +107,12 @@ def run_train(
     reach_store(run_url, storage_options, what="run_url")
     store = ObjectStore(run_url, storage_options=storage_options, name="train")
     if resume:
-        exchange = open_run(run_url, storage_options)
+        exchange = stage("open-run", _reopen)(run_url, storage_options, store)
         config = RunConfig.model_validate(exchange.manifest.config)
-        cleared = clear_cancel(store)
-        if cleared:
-            log.info("withdrew the cancel request of %s", cleared.get("requested"))
     else:
-        exchange = create_run(config, run_url, storage_options=storage_options,
-                              init_from=init_from)
+        exchange = stage("create-run", create_run)(config, run_url,
+                                                   storage_options=storage_options,
+                                                   init_from=init_from)
     hooks = hooks or job_hooks(run_url, "train", storage_options)
     hooks.run_started(config.model_dump(mode="json"), run_url, resumed=resume,
                       n_params=sum(f.numel for f in exchange.manifest.fragments))
@@ -107,25 +125,33 @@ def run_train(
     state, message = "finished", ""
     try:
         if todo:
-            for name in todo:
-                launcher.start(run_url, name)
+            if AGGREGATOR in todo:
+                stage("launch-aggregator", _launch)(launcher, run_url, [AGGREGATOR])
+            workers = [n for n in todo if n != AGGREGATOR]
+            if workers:
+                stage("launch-workers", _launch)(launcher, run_url, workers)
             write_launcher(store, launcher.record())
-            state, message = _follow(exchange, store, launcher, run_url, on_progress,
-                                     poll_s=poll_s, stop_grace_s=stop_grace_s,
-                                     restarts=restarts)
+            state, message = stage("wait", _follow)(
+                exchange, store, launcher, run_url, on_progress, poll_s=poll_s,
+                stop_grace_s=stop_grace_s, restarts=restarts)
         elif on_progress:
             on_progress(snapshot(exchange))
     except BaseException as exc:  # an error, Ctrl-C, SIGTERM (Prefect's TerminationSignal)
         interrupted = isinstance(exc, KeyboardInterrupt) or not isinstance(exc, Exception)
         state = "interrupted" if interrupted else "failed"
         message = f"{type(exc).__name__}: {exc}"
+        raised = True
         raise
+    else:
+        raised = False
     finally:  # stop whatever still runs, then report, whatever ended the run
         stop_all(launcher, exchange.manifest.workers, stop_grace_s)
         if todo:
             write_launcher(store, launcher.record())
-        report = build_report(exchange, run_url=run_url, state=state,
-                              wall_seconds=time.monotonic() - start, message=message)
+        # after an exception (a signal among them), no task: only what must be done
+        report = (plain if raised else stage)("report", build_report)(
+            exchange, run_url=run_url, state=state,
+            wall_seconds=time.monotonic() - start, message=message)
         hooks.run_finished(report)
         lost = close_hooks(hooks)
         if lost:
@@ -134,6 +160,21 @@ def run_train(
     if state == "failed":
         raise JobFailed(message, report)
     return report
+
+
+def _reopen(run_url: str, storage_options: dict | None, store: ObjectStore) -> Exchange:
+    """The run to resume, its cancel request withdrawn."""
+    exchange = open_run(run_url, storage_options)
+    cleared = clear_cancel(store)
+    if cleared:
+        log.info("withdrew the cancel request of %s", cleared.get("requested"))
+    return exchange
+
+
+def _launch(launcher: Launcher, run_url: str, names: list[str]) -> None:
+    for name in names:
+        launcher.start(run_url, name)
+        flow_log("launched %s (%s)", name, launcher.backend)
 
 
 def stop_all(launcher: Launcher, workers: list[str], grace: float) -> None:
@@ -211,16 +252,17 @@ class Artifacts:
         rounds = snap["aggregator"].get("rounds") or 0
         if rounds == self.rounds and time.monotonic() - self.last < 15:
             return
+        if rounds != self.rounds:
+            flow_log("%s", progress_line(snap))
         self.rounds, self.last = rounds, time.monotonic()
         percent = 100.0 * fraction_done(snap)
+        description = rounds_applied(rounds, snap["total_rounds"])
         try:
             if self.progress_id is None:
                 self.progress_id = create_progress_artifact(
-                    percent, key=f"{self.key}-progress",
-                    description=f"rounds applied by the aggregator: {rounds}/"
-                                f"{snap['total_rounds']}")
+                    percent, key=f"{self.key}-progress", description=description)
             else:
-                update_progress_artifact(self.progress_id, percent)
+                update_progress_artifact(self.progress_id, percent, description=description)
         except Exception as exc:  # noqa: BLE001 - artifacts never stop a run
             log.warning("progress artifact: %s", exc)
 
@@ -230,13 +272,76 @@ class Artifacts:
             update_progress_artifact,
         )
 
+        g = report["global"]
+        flow_log("%s: %s after %d of %d rounds%s", report["run_id"], report["state"],
+                 g["rounds"], g["total_rounds"],
+                 f"; canonical eval loss {g['eval_loss']:.4f}"
+                 if g.get("eval_loss") is not None else "")
         try:
-            if self.progress_id is not None and report["state"] == "finished":
-                update_progress_artifact(self.progress_id, 100.0)
+            if self.progress_id is not None:
+                update_progress_artifact(
+                    self.progress_id,
+                    100.0 if report["state"] == "finished" else 100.0 * min(
+                        1.0, g["rounds"] / max(1, g["total_rounds"])),
+                    description=rounds_applied(g["rounds"], g["total_rounds"],
+                                               report["state"]))
             create_table_artifact(table_rows(report), key=f"{self.key}-report",
                                   description=markdown(report))
         except Exception as exc:  # noqa: BLE001
             log.warning("report artifact: %s", exc)
+
+
+def rounds_applied(rounds: int, total: int, state: str = "") -> str:
+    """The progress artifact's description."""
+    return f"rounds applied by the aggregator: {rounds}/{total}" + (
+        f" ({state})" if state else "")
+
+
+def progress_line(snap: dict[str, Any]) -> str:
+    """A line of the train flow run's log: the rounds applied, each worker's step
+    and loss, the canonical model's eval loss."""
+    agg = snap["aggregator"]
+    parts = [f"round {agg.get('rounds') or 0}/{snap['total_rounds']} applied"]
+    for name, s in snap["workers"].items():
+        loss = s.get("loss")
+        parts.append(f"{name} step {s.get('step') or 0}/{snap['total_steps']}"
+                     + (f" loss {loss:.4f}" if loss is not None else ""))
+    if agg.get("eval_loss") is not None:
+        parts.append(f"canonical eval loss {agg['eval_loss']:.4f}")
+    return "; ".join(parts)
+
+
+def as_task(name: str, fn: T) -> T:
+    """A stage of the train flow as a Prefect task named ``name`` (no cache: each
+    call does its work)."""
+    from prefect import task  # noqa: PLC0415
+    from prefect.cache_policies import NO_CACHE  # noqa: PLC0415
+
+    return task(fn, name=name, task_run_name=name,  # type: ignore[return-value]
+                cache_policy=NO_CACHE)
+
+
+def train_run_name() -> str:
+    """The train flow run's name: the run's id when the run URL is given, else
+    ``train`` (renamed to the run id once the flow has chosen it)."""
+    from prefect.runtime import flow_run  # noqa: PLC0415
+
+    params = flow_run.parameters or {}
+    return run_id_of(params.get("run_url")) or "train"
+
+
+def rename_flow_run(name: str) -> None:
+    """Name the current flow run (best effort)."""
+    from prefect import get_client  # noqa: PLC0415
+    from prefect.runtime import flow_run  # noqa: PLC0415
+
+    if not flow_run.id or flow_run.name == name:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_name(flow_run.id, name)
+    except Exception as exc:  # noqa: BLE001 - a name never stops a run
+        log.warning("could not name the flow run %s: %s", name, exc)
 
 
 def _cancel_children(flow, flow_run, state) -> None:  # noqa: ANN001 - Prefect hook signature
@@ -269,7 +374,8 @@ def stable_run_url(cfg: RunConfig, when: datetime) -> str:
     return f"{absolute(cfg.store).rstrip('/')}/{cfg.name}-{when:%Y%m%d-%H%M%S}"
 
 
-@flow(name="train", log_prints=True, on_cancellation=[_cancel_children])
+@flow(name="train", log_prints=True, on_cancellation=[_cancel_children],
+      flow_run_name=train_run_name)
 def train(
     config: str | dict[str, Any] | None = None,
     overrides: list[str] | None = None,
@@ -338,11 +444,12 @@ def train(
     else:
         launcher = LocalLauncher(storage_options=storage_options, nproc=nproc,
                                  evaluate=evaluate)
-    artifacts = Artifacts(run_url.rstrip("/").rsplit("/", 1)[-1])
+    rename_flow_run(run_id_of(run_url))
+    artifacts = Artifacts(run_id_of(run_url))
     try:
         report = run_train(cfg, run_url, launcher=launcher, resume=resume,
                            storage_options=storage_options, on_progress=artifacts.progress,
-                           init_from=resume_run if cfg is not None else None)
+                           init_from=resume_run if cfg is not None else None, stage=as_task)
     except JobFailed as exc:
         if exc.report:
             artifacts.final(exc.report)

@@ -36,11 +36,13 @@ from flows.jobs import (
     EXIT_CODES,
     EXIT_USAGE,
     close_hooks,
+    flow_log,
     job_hooks,
     open_job_run,
     print_result,
     record_not_logged,
     refuse_secret_parameters,
+    run_id_of,
     set_state,
     stop_on_signals,
     usage_errors,
@@ -117,7 +119,38 @@ def run_worker_job(
     return out
 
 
-def _emit(worker: str, hooks: Hooks):
+class FlowRunLog:
+    """What a worker's flow run logs: a line per round sent or mean received (round,
+    step, loss, bytes, time waited) and per evaluation, not per step. ``stats`` is
+    the synchroniser's (rounds_sent, rounds_merged, wait_seconds), once known."""
+
+    def __init__(self, worker: str):
+        self.worker = worker
+        self.stats: Any = None
+        self.seen = (0, 0)
+
+    def __call__(self, m: dict[str, Any]) -> None:
+        if "eval_loss" in m:
+            flow_log("%s step %d: eval loss %.4f%s", self.worker, m["step"], m["eval_loss"],
+                     " (final)" if m.get("final") else "")
+            return
+        if "loss" not in m or self.stats is None:
+            return
+        now = (self.stats.rounds_sent, self.stats.rounds_merged)
+        if now == self.seen:
+            return
+        self.seen = now
+        flow_log("%s step %d: round %d sent, %d received; loss %.4f; up %s, down %s; "
+                 "waited %.1f s", self.worker, m["step"], now[0], now[1], m["loss"],
+                 _mb(m.get("bytes_up", 0)), _mb(m.get("bytes_down", 0)),
+                 m.get("wait_s", 0.0))
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def _emit(worker: str, hooks: Hooks, flow_run_log: FlowRunLog | None = None):
     def emit(m: dict[str, Any]) -> None:
         if "loss" in m:
             progress_log.info(
@@ -126,6 +159,11 @@ def _emit(worker: str, hooks: Hooks):
                 m.get("wait_s", 0.0), m["bytes_up"], m["bytes_down"])
         elif "eval_loss" in m:
             progress_log.info("%s step %d eval loss %.4f", worker, m["step"], m["eval_loss"])
+        if flow_run_log is not None:
+            try:
+                flow_run_log(m)
+            except Exception as exc:  # noqa: BLE001 - logging never stops training
+                log.debug("flow run log: %s", exc)
         hooks.worker_metrics(worker, m)
 
     return emit
@@ -136,9 +174,11 @@ def _in_process(run_url: str, worker: str, storage_options: dict | None,
                 hooks: Hooks) -> dict[str, Any]:
     from workers.train import Interrupted, WorkerLoop  # noqa: PLC0415 - torch is slow to import
 
+    flow_run_log = FlowRunLog(worker)
     try:
         loop = WorkerLoop(run_url, worker, storage_options=storage_options, stop=stop,
-                          metrics=_emit(worker, hooks), stop_patience_s=BLOCKED_PATIENCE_S)
+                          metrics=_emit(worker, hooks, flow_run_log),
+                          stop_patience_s=BLOCKED_PATIENCE_S)
     except Exception as exc:
         status = ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-status")
         set_state(status, worker, "failed", error=f"{type(exc).__name__}: {exc}")
@@ -146,6 +186,10 @@ def _in_process(run_url: str, worker: str, storage_options: dict | None,
         raise
     hooks.worker_started(worker, {"host": socket.gethostname(), "pid": os.getpid(),
                                   "island": 1, "resumed_from": loop.resumed_from})
+    if loop.sync is not None:
+        flow_run_log.stats = loop.sync.stats
+        flow_run_log.seen = (loop.sync.stats.rounds_sent, loop.sync.stats.rounds_merged)
+    flow_log("%s: training from step %d of %d", worker, loop.step, loop.cfg.train.steps)
     try:
         result = loop.run().to_dict()
         state = "finished"
@@ -228,7 +272,15 @@ def _island(run_url: str, worker: str, storage_options: dict | None, nproc: int,
     return {**result, "state": state}
 
 
-@flow(name="worker", log_prints=True)
+def worker_run_name() -> str:
+    """``<run id>/<worker>``: the name of a worker's flow run."""
+    from prefect.runtime import flow_run  # noqa: PLC0415
+
+    params = flow_run.parameters or {}
+    return f"{run_id_of(params.get('run_url'))}/{params.get('worker')}"
+
+
+@flow(name="worker", log_prints=True, flow_run_name=worker_run_name)
 def worker(run_url: str, worker: str, storage_options: dict | None = None, nproc: int = 1):
     """One worker of a run, in this work pool's region: trains to the end, resuming
     from its checkpoints; a cancelled flow run checkpoints before it stops."""
