@@ -22,12 +22,11 @@ from tracking import compare as comparing
 def rich_table(rows: list[comparing.CompareRow], width: int = 200) -> Table:
     """A row per run when the terminal is wide enough, else a column per run."""
     cells = comparing.formatted(rows)
-    headers = comparing.HEADERS
+    headers = comparing.headers(rows)  # the config fields that differ included
     if width >= 190 or len(rows) > 6:
         table = Table(title="diloco compare", header_style="bold")
         for name, header in headers.items():
-            numeric = name not in ("run", "strategy", "mode", "bytes_source", "reduction_basis")
-            table.add_column(header, justify="right" if numeric else "left")
+            table.add_column(header, justify="left" if comparing.is_text(name) else "right")
         for row in cells:
             table.add_row(*row.values())
         return table
@@ -56,8 +55,9 @@ def compare_command(
     log_run: Annotated[bool, typer.Option(
         "--log", help="record the table and plots as artifacts of a comparison run")] = False,
 ) -> None:
-    """Compare runs: a table of eval loss, tokens, bytes exchanged (and the reduction
-    against data-parallel), wall time and waiting; overlay plots as PNG."""
+    """Compare runs: a table of eval loss, tokens, bytes exchanged by every party (and
+    the reduction against data-parallel), wall time, waiting and the config fields
+    that differ between the runs; overlay plots as PNG."""
     console = Console(width=None if sys.stdout.isatty() else 240)  # a file or pipe: no squeezing
     formats = (["csv"] if write_csv_file else []) + (["md"] if write_md_file else [])
     try:

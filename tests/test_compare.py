@@ -3,16 +3,19 @@
 Both runs are `fake_run`s (see test_tracking.py) on SQLite. The expected numbers:
 
 - DiLoCo, 60 steps: each worker ends with 6000 bytes up and 3000 down (1000 and
-  500 per merge point, 6 merge points), so 2 * 9000 = 18,000 bytes exchanged;
+  500 per merge point, 6 merge points), and the aggregator with 600 up and 1200
+  down (240 of them checkpoints), so 2 * 9000 + 1800 = 19,800 bytes exchanged;
   tokens 2 workers * 60 steps * 128 = 15,360; canonical eval 4.5, 4.0, 3.5 at
   steps 20, 40, 60: final = best = 3.5; wait 0.01 * 60 = 0.6 s per worker.
 - Data-parallel, 40 steps: bytes from the ring all-reduce formula, 2 workers:
   per step 2 workers * 2 ways * 2 (M-1)/M * 4 bytes * N = 16 N, so 16 * N * 40;
   eval = mean of the workers' (+0.15 and +0.25 over 5.1 - 0.025 t): 4.8 at step 20,
   4.3 at 40: final = best = 4.3; tokens 2 * 40 * 128 = 10,240.
-- Reduction of the DiLoCo run against that data-parallel run: 16 N * 40 / 18,000
-  (with N = 3,279,104, the tiny preset: 2,098,626,560 / 18,000 = 116,590.4x). Alone,
-  against the formula for its own 60 steps: 16 N * 60 / 18,000.
+- Reduction of the DiLoCo run against that data-parallel run: 16 N * 40 / 19,800
+  (with N = 3,279,104, the tiny preset: 2,098,626,560 / 19,800 = 105,991.2x). Alone,
+  against the formula for its own 60 steps: 16 N * 60 / 19,800.
+- Their configs differ in train.steps (60, 40) and train.strategy (which the
+  strategy column shows): one config column, ``train.steps``.
 """
 
 from __future__ import annotations
@@ -79,12 +82,16 @@ def test_compare_two_runs(tracked: dict[str, str], tmp_path: Path) -> None:
     assert dp.final_eval_loss == pytest.approx(4.3)
     assert dp.best_eval_loss == pytest.approx(4.3)
     assert diloco.tokens == 15_360 and dp.tokens == 10_240
-    assert diloco.bytes_exchanged == 18_000
-    assert diloco.bytes_source == "measured (store)"
+    assert diloco.bytes_exchanged == 19_800
+    assert diloco.bytes_source == "measured (store): workers + aggregator"
+    assert (diloco.bytes_aggregator, diloco.bytes_checkpoints) == (1800, 240)
+    assert (dp.bytes_aggregator, dp.bytes_checkpoints) == (None, None)
     assert dp.bytes_exchanged == 16 * n * 40 == 2_098_626_560
     assert dp.bytes_source == "all-reduce formula"
-    assert diloco.reduction_vs_dp == pytest.approx(2_098_626_560 / 18_000)
-    assert diloco.reduction_vs_dp == pytest.approx(116_590.4, abs=0.1)
+    assert diloco.reduction_vs_dp == pytest.approx(2_098_626_560 / 19_800)
+    assert diloco.reduction_vs_dp == pytest.approx(105_991.2, abs=0.1)
+    # the config fields that differ, and only those
+    assert diloco.config == {"train.steps": "60"} and dp.config == {"train.steps": "40"}
     assert diloco.reduction_basis == "vs run run-dp"
     assert dp.reduction_vs_dp == 1.0
     assert diloco.wait_s_per_worker == pytest.approx(0.6)
@@ -92,18 +99,22 @@ def test_compare_two_runs(tracked: dict[str, str], tmp_path: Path) -> None:
     assert diloco.wall_s is not None and 0 < diloco.wall_s < 120
 
     text = console.export_text()
-    assert "run-diloco" in text and "116,590.4x" in text and "18.00 kB" in text
+    assert "run-diloco" in text and "105,991.2x" in text and "19.80 kB" in text
+    assert "train.steps" in text and "train.eval_every" not in text
 
     with result.csv_path.open() as fh:
         table = list(csv.DictReader(fh))
     assert [r["run"] for r in table] == ["run-diloco", "run-dp"]
-    assert float(table[0]["bytes_exchanged"]) == 18_000
-    assert float(table[0]["reduction_vs_dp"]) == pytest.approx(116_590.4, abs=0.1)
+    assert float(table[0]["bytes_exchanged"]) == 19_800
+    assert float(table[0]["bytes_checkpoints"]) == 240
+    assert float(table[0]["reduction_vs_dp"]) == pytest.approx(105_991.2, abs=0.1)
+    assert [r["train.steps"] for r in table] == ["60", "40"]
     assert table[1]["wait_s_per_worker"] == ""
 
     md = result.md_path.read_text()
     assert md.splitlines()[0].startswith("| run | strategy |")
-    assert "| run-diloco | diloco | streaming | 2 | 3.5000 | 3.5000 | 15,360 | 18.00 kB" in md
+    assert md.splitlines()[0].endswith("| train.steps |")
+    assert "| run-diloco | diloco | streaming | 2 | 3.5000 | 3.5000 | 15,360 | 19.80 kB" in md
     assert "vs run run-dp" in md
 
     assert sorted(p.name for p in result.plots) == sorted(OVERLAY_PLOTS)
@@ -123,7 +134,8 @@ def test_compare_alone_uses_the_formula(tracked: dict[str, str], tmp_path: Path)
     (row,) = result.rows
     assert row.run == "run-diloco"
     assert row.reduction_basis == "all-reduce formula"
-    assert row.reduction_vs_dp == pytest.approx(16 * n * 60 / 18_000)
+    assert row.reduction_vs_dp == pytest.approx(16 * n * 60 / 19_800)
+    assert row.config == {}  # one run: nothing to tell apart
     assert result.md_path is None and result.csv_path.exists()
 
 
@@ -166,6 +178,7 @@ def test_many_runs_are_not_squeezed_when_printed_to_a_pipe(monkeypatch) -> None:
         run=f"streaming-int4-m-4-h-50-run-{i}", run_id=f"{i:032x}", strategy="diloco",
         mode="streaming", workers=4, final_eval_loss=1.6 + i / 100, best_eval_loss=1.6,
         tokens=2_457_600, bytes_exchanged=86e6, bytes_source="measured (store)",
+        bytes_aggregator=None, bytes_checkpoints=None,
         reduction_vs_dp=295.2, reduction_basis="all-reduce formula", wall_s=217.0,
         wait_s_per_worker=14.8) for i in range(7)]
 

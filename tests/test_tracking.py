@@ -11,7 +11,9 @@ every expected value below can be checked by hand:
   step k-1 (= r*P + p). The aggregator evaluates after fragment 1 (k = 2, 4, 6,
   inner steps 20, 40, 60).
 - A worker sends 1000 bytes and receives 500 per merge point: at step t it has
-  sent 100*t and received 50*t bytes.
+  sent 100*t and received 50*t bytes. The aggregator has sent 100 k and received
+  200 k bytes after merge point k, 40 k of them checkpoints: 600 + 1200 at the end,
+  so the run moved 2 * (6000 + 3000) + 1800 = 19,800 bytes, 240 of checkpoints.
 """
 
 from __future__ import annotations
@@ -125,7 +127,8 @@ def fake_run(
             p, r = (k - 1) % 2, (k - 1) // 2
             report = {"fragment": p, "round": r, "weights": {"region-a": 0.5, "region-b": 0.5},
                       "rejected": {}, "adopted": False, "seconds": 0.25,
-                      "grad_norm": 1.0 + k, "bytes_up": 100 * k, "bytes_down": 200 * k}
+                      "grad_norm": 1.0 + k, "bytes_up": 100 * k, "bytes_down": 200 * k,
+                      "bytes_checkpoints": 40 * k}
             if p == 1 and step != steps:
                 report["eval_loss"] = eval_loss(step, strategy)
                 report["perplexity"] = 2.718281828 ** report["eval_loss"]
@@ -272,13 +275,19 @@ def check_tiny_run(client: MlflowClient, run_url: str, store: ObjectStore) -> di
     results = summary["tracking"]["results"]
     assert results["final_eval_loss"] == pytest.approx(3.5)
     assert results["best_eval_loss"] == pytest.approx(3.5)
-    assert results["bytes_exchanged"] == 2 * (6000 + 3000)
+    # every party's bytes: the workers' and the aggregator's (its checkpoints included)
+    assert results["bytes_exchanged"] == 2 * (6000 + 3000) + 600 + 1200 == 19_800
+    assert results["bytes_workers"] == 18_000
+    assert results["bytes_aggregator"] == 1800
+    assert results["bytes_checkpoints"] == 240
+    assert results["bytes_source"] == "measured (store): workers + aggregator"
     assert results["tokens"] == 2 * 60 * 128
     assert summary["tracking"]["not_logged_by_train_job"] == {}
     # the same numbers as metrics of the parent, for MLflow's own run comparison
     final = client.get_run(parent.info.run_id).data.metrics
     assert final["final_eval_loss"] == pytest.approx(3.5)
-    assert final["bytes_exchanged"] == 18000
+    assert final["bytes_exchanged"] == 19_800
+    assert final["bytes_checkpoints"] == 240
     return {"parent": parent, "children": by_name, "info": info}
 
 

@@ -7,12 +7,25 @@ keep parent runs (those the train job created). A row per run:
 
 - final and best eval loss of the model the run produces (the aggregator's
   canonical model; the workers' mean for data-parallel),
-- tokens processed (all workers), bytes exchanged (all workers, up + down; for
-  data-parallel the ring all-reduce volume, see `tracking.curves`),
+- tokens processed (all workers), bytes exchanged: every byte every party moved
+  through the store, up + down, the workers' and the aggregator's (for
+  data-parallel the ring all-reduce volume, see `tracking.curves`); beside it the
+  aggregator's share and, when its reports carry it, the part of that which is
+  canonical checkpoints (``global/``), included in the total,
 - the reduction in bytes against data-parallel: against a data-parallel run among
   those compared when there is one, else against the all-reduce formula for this
   run's own model, workers and steps; the ``reduction basis`` column says which,
-- wall time and seconds each worker waited on the exchange.
+- wall time and seconds each worker waited on the exchange,
+- the config fields that differ between the compared runs (their params; a
+  column each, named by the param, e.g. ``train.steps``); fields equal in every
+  run are not shown, nor those the strategy and mode columns already show.
+
+What the reduction compares: all the store traffic of the DiLoCo run (the
+workers' deltas and reads, the aggregator's reads, means and checkpoints) against
+the bytes a ring all-reduce moves for the same model, workers and steps (float32
+gradients, every step; a data-parallel run's own checkpoints are not in that
+formula). Counting the aggregator's checkpoints makes the ratio smaller than a
+workers-only count: it is what the DiLoCo run really moved, not a best case.
 
 It writes CSV and Markdown, draws overlay plots (PNG), and with ``log`` records all
 of them as artifacts of a comparison run in MLflow. ``diloco compare``
@@ -66,6 +79,9 @@ class CompareRow:
     reduction_basis: str
     wall_s: float | None
     wait_s_per_worker: float | None
+    bytes_aggregator: float | None = None  # of bytes_exchanged
+    bytes_checkpoints: float | None = None  # of bytes_aggregator, when reported
+    config: dict[str, str] = field(default_factory=dict)  # the fields that differ
 
 
 @dataclass
@@ -137,9 +153,23 @@ def resolve_runs(client: Any, specs: list[str]) -> list[Any]:
 
 # -- rows ---------------------------------------------------------------------------------
 
+# params the other columns show already
+SHOWN = frozenset({"train.strategy", "sync.mode"})
+
+
+def differing_config(curves: list[RunCurves]) -> list[str]:
+    """The params (flattened config fields) whose values are not the same in every
+    run compared (a field one run lacks counts as different); none for one run."""
+    if len(curves) < 2:
+        return []
+    keys = sorted({k for c in curves for k in c.params} - SHOWN)
+    return [k for k in keys if len({c.params.get(k) for c in curves}) > 1]
+
+
 def rows_for(curves: list[RunCurves]) -> list[CompareRow]:
     """A row per run; reductions against the first data-parallel run if any."""
     results = [c.results() for c in curves]
+    differ = differing_config(curves)
     ref = next(((c, r) for c, r in zip(curves, results, strict=True) if c.data_parallel),
                None)
     rows = []
@@ -163,8 +193,10 @@ def rows_for(curves: list[RunCurves]) -> list[CompareRow]:
             workers=c.n_workers,
             final_eval_loss=r["final_eval_loss"], best_eval_loss=r["best_eval_loss"],
             tokens=r["tokens"], bytes_exchanged=exchanged, bytes_source=r["bytes_source"],
+            bytes_aggregator=r["bytes_aggregator"], bytes_checkpoints=r["bytes_checkpoints"],
             reduction_vs_dp=reduction, reduction_basis=basis,
             wall_s=r["wall_s"], wait_s_per_worker=r["wait_s_per_worker"],
+            config={k: c.params.get(k, "-") for k in differ},
         ))
     return rows
 
@@ -175,9 +207,28 @@ HEADERS = {
     "run": "run", "strategy": "strategy", "mode": "mode", "workers": "workers",
     "final_eval_loss": "final eval loss", "best_eval_loss": "best eval loss",
     "tokens": "tokens", "bytes_exchanged": "bytes exchanged", "bytes_source": "bytes source",
+    "bytes_aggregator": "of which aggregator", "bytes_checkpoints": "of which checkpoints",
     "reduction_vs_dp": "reduction vs DP", "reduction_basis": "reduction basis",
     "wall_s": "wall time", "wait_s_per_worker": "wait per worker",
 }
+TEXT_COLUMNS = frozenset({"run", "strategy", "mode", "bytes_source", "reduction_basis"})
+
+
+def config_header(key: str) -> str:
+    """A config field's column: its name (``train.steps``), or ``config <name>``
+    where that is a column of its own already (``workers``)."""
+    return f"config {key}" if key in HEADERS.values() else key
+
+
+def headers(rows: list[CompareRow]) -> dict[str, str]:
+    """The columns: `HEADERS`, then the config fields that differ."""
+    config = list(rows[0].config) if rows else []
+    return {**HEADERS, **{f"config:{k}": config_header(k) for k in config}}
+
+
+def is_text(column: str) -> bool:
+    """A left-aligned column (names, labels, config values)."""
+    return column in TEXT_COLUMNS or column.startswith("config:")
 
 
 def _fmt(name: str, value: Any) -> str:
@@ -187,7 +238,7 @@ def _fmt(name: str, value: Any) -> str:
         return f"{value:.4f}"
     if name == "tokens":
         return f"{value:,.0f}"
-    if name == "bytes_exchanged":
+    if name in ("bytes_exchanged", "bytes_aggregator", "bytes_checkpoints"):
         return fmt_bytes(value)
     if name == "reduction_vs_dp":
         return f"{value:,.1f}x"
@@ -197,29 +248,42 @@ def _fmt(name: str, value: Any) -> str:
 
 
 def formatted(rows: list[CompareRow]) -> list[dict[str, str]]:
-    return [{HEADERS[k]: _fmt(k, v) for k, v in asdict(row).items() if k in HEADERS}
-            for row in rows]
+    """Each row's cells by header (`headers`): the numbers formatted, the config as is."""
+    out = []
+    for row in rows:
+        fields = asdict(row)
+        cells = {header: _fmt(k, fields[k]) for k, header in HEADERS.items()}
+        cells.update({config_header(k): v for k, v in row.config.items()})
+        out.append(cells)
+    return out
+
+
+def _raw(row: CompareRow) -> dict[str, Any]:
+    fields = asdict(row)
+    config = fields.pop("config")
+    return {**fields, **config}
 
 
 def write_csv(rows: list[CompareRow], path: Path) -> Path:
-    """Raw numbers (bytes, seconds, tokens), one row per run."""
-    fields = list(asdict(rows[0])) if rows else list(CompareRow.__dataclass_fields__)
+    """Raw numbers (bytes, seconds, tokens), one row per run; then the config fields
+    that differ, a column each."""
+    fields = list(_raw(rows[0])) if rows else [
+        k for k in CompareRow.__dataclass_fields__ if k != "config"]
     with path.open("w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: ("" if v is None else v) for k, v in asdict(row).items()})
+            writer.writerow({k: ("" if v is None else v) for k, v in _raw(row).items()})
     return path
 
 
 def write_markdown(rows: list[CompareRow], path: Path, plots: list[Path]) -> Path:
     table = formatted(rows)
-    headers = list(HEADERS.values())
-    right = {HEADERS[k] for k in HEADERS
-             if k not in ("run", "strategy", "mode", "bytes_source", "reduction_basis")}
-    lines = ["| " + " | ".join(headers) + " |",
-             "| " + " | ".join("---:" if h in right else "---" for h in headers) + " |"]
-    lines += ["| " + " | ".join(r[h].replace("|", "\\|") for h in headers) + " |"
+    columns = headers(rows)
+    names = list(columns.values())
+    lines = ["| " + " | ".join(names) + " |",
+             "| " + " | ".join("---" if is_text(k) else "---:" for k in columns) + " |"]
+    lines += ["| " + " | ".join(r[h].replace("|", "\\|") for h in names) + " |"
               for r in table]
     lines += ["", "Run ids: " + ", ".join(f"{r.run} = `{r.run_id}`" for r in rows), ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots]

@@ -7,6 +7,15 @@ exchanged and wall time; `RunCurves.results` gives the run's final figures. The
 train job draws them (`tracking.plots.plot_run`) and ``diloco compare`` compares
 runs with them (`tracking.compare`).
 
+Bytes exchanged count every byte every party moves through the store: each
+worker's ``bytes_up`` + ``bytes_down`` (its deltas, its reads of the means and of
+the canonical state) and the aggregator's (its reads of the deltas, its writes of
+the means and of the canonical checkpoints under ``global/``; cumulative, logged at
+each round). ``bytes_checkpoints``, when the aggregator's report carries it, is the
+part of its uploads that are checkpoints, and is shown on its own; it is included
+in the total, not added to it. The aggregator's steps are put on the inner-step
+axis through its ``inner_step`` metric (old runs logged it at merge point ``k``).
+
 Bytes of a data-parallel run are not in its metrics (its gradients travel over
 torch.distributed, not the store), so they come from the ring all-reduce formula:
 each worker sends and receives ``2 (M-1)/M * 4 bytes * N`` per step, ``N`` the
@@ -28,7 +37,7 @@ WORKER_KEYS = ("eval_loss", "loss", "tokens", "bytes_up", "bytes_down", "wait_s"
 # when it ends) has the final counters: appended as the last point of each.
 _FINAL_COUNTERS = {"tokens": "result/tokens", "bytes_up": "result/bytes_up",
                    "bytes_down": "result/bytes_down", "wait_s": "result/wait_seconds"}
-AGGREGATOR_KEYS = ("eval_loss", "inner_step", "bytes_up", "bytes_down")
+AGGREGATOR_KEYS = ("eval_loss", "inner_step", "bytes_up", "bytes_down", "bytes_checkpoints")
 
 
 @dataclass
@@ -157,6 +166,8 @@ class RunCurves:
         for w in self.workers.values():
             total += _interp_from_zero(steps, w.get("bytes_up"))
             total += _interp_from_zero(steps, w.get("bytes_down"))
+        for key in ("bytes_up", "bytes_down"):  # the aggregator's, checkpoints included
+            total += _interp_from_zero(steps, self.on_inner_steps(key))
         return total
 
     def wall_s(self, times_ms: np.ndarray) -> np.ndarray:
@@ -164,19 +175,26 @@ class RunCurves:
 
     # -- evaluation ----------------------------------------------------------------------
 
+    def on_inner_steps(self, key: str) -> Series:
+        """An aggregator metric on the workers' inner-step axis: its steps mapped
+        through ``inner_step`` (the identity for runs that log at the inner step)."""
+        if self.aggregator is None:
+            return Series.empty()
+        s = self.aggregator.get(key)
+        inner = self.aggregator.get("inner_step")
+        steps = s.steps
+        if len(inner) and len(s):
+            lookup = dict(zip(inner.steps.tolist(), inner.values.tolist(), strict=True))
+            steps = np.asarray([lookup.get(x, x) for x in s.steps.tolist()], float)
+        order = np.argsort(steps, kind="stable")
+        return Series(steps[order], s.values[order], s.times[order])
+
     def canonical_eval(self) -> Series:
         """The model the run produces: the aggregator's canonical eval loss on the
         inner-step axis; without one (data-parallel, or an aggregator that does not
         evaluate) the mean of the workers' eval loss at each step."""
         if self.aggregator is not None and len(self.aggregator.get("eval_loss")):
-            ev = self.aggregator.get("eval_loss")
-            inner = self.aggregator.get("inner_step")
-            steps = ev.steps
-            if len(inner):
-                lookup = dict(zip(inner.steps.tolist(), inner.values.tolist(), strict=True))
-                steps = np.asarray([lookup.get(s, s) for s in ev.steps.tolist()], float)
-            order = np.argsort(steps, kind="stable")
-            return Series(steps[order], ev.values[order], ev.times[order])
+            return self.on_inner_steps("eval_loss")
         by_step: dict[float, list[tuple[float, float]]] = {}
         for w in self.workers.values():
             ev = w.get("eval_loss")
@@ -209,17 +227,27 @@ class RunCurves:
         return list(self.workers.values()) + ([self.aggregator] if self.aggregator else [])
 
     def results(self) -> dict[str, Any]:
-        """Final and best eval loss, tokens, bytes exchanged, wall time, seconds waiting."""
+        """Final and best eval loss, tokens, bytes exchanged (all parties; the
+        workers', the aggregator's and its checkpoints' also apart), wall time,
+        seconds waiting."""
         ev = self.canonical_eval()
         tokens = sum((w.get("tokens").last or 0.0) for w in self.workers.values())
+        agg = self.aggregator
+        by_aggregator = None if agg is None else (
+            (agg.get("bytes_up").last or 0.0) + (agg.get("bytes_down").last or 0.0))
+        checkpoints = None if agg is None else agg.get("bytes_checkpoints").last
+        by_workers = None
         if self.data_parallel:
             per_step = self.allreduce_bytes_per_step()
             exchanged = per_step * self.total_steps if per_step else None
             source = "all-reduce formula"
         else:
-            exchanged = sum((w.get("bytes_up").last or 0.0) + (w.get("bytes_down").last or 0.0)
-                            for w in self.workers.values())
-            source = "measured (store)"
+            by_workers = sum((w.get("bytes_up").last or 0.0)
+                             + (w.get("bytes_down").last or 0.0)
+                             for w in self.workers.values())
+            exchanged = by_workers + (by_aggregator or 0.0)
+            source = ("measured (store): workers + aggregator" if by_aggregator
+                      else "measured (store): workers")
         # a data-parallel worker waits inside all-reduce, which nothing measures
         waits = [] if self.data_parallel else [
             w.get("wait_s").last for w in self.workers.values() if len(w.get("wait_s"))]
@@ -229,6 +257,9 @@ class RunCurves:
             "tokens": tokens,
             "bytes_exchanged": exchanged,
             "bytes_source": source,
+            "bytes_workers": by_workers,
+            "bytes_aggregator": by_aggregator,
+            "bytes_checkpoints": checkpoints,
             "wall_s": self.wall_seconds(),
             "wait_s_per_worker": float(np.mean(waits)) if waits else None,
         }
