@@ -5,6 +5,7 @@
     diloco status tiny-20260101-120000  # a run URL, or a run's name under runs/
     diloco resume tiny-20260101-120000
     diloco cancel tiny-20260101-120000
+    diloco gc tiny-20260101-120000      # --apply deletes what resume and audit no longer need
     diloco run --store local-s3         # the same on SeaweedFS, a real S3 server here
     diloco deploy                       # infra/prefect.yaml on $PREFECT_API_URL
     diloco bucket setup s3://b/runs --workers region-a,region-b --dry-run
@@ -24,6 +25,7 @@ from cli.bucket import bucket_app
 from cli.compare import compare_command
 from cli.data import prepare_data
 from cli.deploy import deploy
+from cli.gc import gc
 from cli.status import cancel, status
 from cli.store import store_app
 from cli.train import resume, run
@@ -36,6 +38,7 @@ HELP = """Train one language model across regions with Streaming DiLoCo.
   diloco status RUN            RUN: a run URL, or a run's name under runs/
   diloco resume RUN
   diloco cancel RUN
+  diloco gc RUN [--apply]      what the run no longer needs (a dry run without --apply)
   diloco run --store local-s3  the same on a real S3 server here (SeaweedFS)
   diloco store serve           serve that store to read or resume its runs
   diloco deploy                infra/prefect.yaml on $PREFECT_API_URL
@@ -55,6 +58,7 @@ app.command()(run)
 app.command()(resume)
 app.command()(status)
 app.command()(cancel)
+app.command()(gc)
 app.command()(deploy)
 app.command("prepare-data")(prepare_data)
 app.command()(bench)

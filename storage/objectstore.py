@@ -250,6 +250,26 @@ class ObjectStore:
             keys.append(key)
         return sorted(set(keys))
 
+    def sizes(self, prefix: str = "") -> dict[str, int]:
+        """Every key under ``prefix/`` with its size in bytes, from one listing (what
+        ``diloco status`` and ``diloco gc`` add up); ``{}`` if there are none."""
+        prefix = prefix.rstrip("/")
+        if prefix:
+            validate_key(prefix, what="prefix")
+        base = self._join(prefix) if prefix else self._root
+        where = f"{prefix}/" if prefix else ""
+        found = self._run("list", where, lambda _attempt: self._find_raw(base, detail=True))
+        self.traffic.record("list", self._tkey(where))
+        root = self._root.rstrip("/") + "/"
+        out = {}
+        for path, info in found.items():
+            key = path[len(root):] if path.startswith(root) else None
+            if key is None or not key.startswith(where) or key.endswith("/") or TMP_MARK in key:
+                continue
+            if info.get("type", "file") == "file":
+                out[key] = int(info.get("size") or 0)
+        return dict(sorted(out.items()))
+
     def delete_prefix(self, prefix: str) -> None:
         """Delete every key under ``prefix/``. Missing prefixes are fine.
 
@@ -443,11 +463,11 @@ class ObjectStore:
             return None
         return int(info["size"]) if info.get("type") == "file" else None
 
-    def _find_raw(self, base: str) -> list[str]:
+    def _find_raw(self, base: str, detail: bool = False) -> Any:
         try:
-            return list(self._fs.find(base))
+            return self._fs.find(base, detail=True) if detail else list(self._fs.find(base))
         except (FileNotFoundError, NotADirectoryError):
-            return []
+            return {} if detail else []
 
     def _delete_raw(self, base: str, paths: list[str]) -> None:
         try:

@@ -81,7 +81,7 @@ def _key(worker: str, step: int) -> str:
     return f"{layout.worker_checkpoints(worker)}/{step:08d}"
 
 
-def save(store: ObjectStore, worker: str, step: int, state: dict[str, Any], keep: int = 2) -> bool:
+def save(store: ObjectStore, worker: str, step: int, state: dict[str, Any], keep: int = 1) -> bool:
     """Write the checkpoint of ``worker`` after inner step ``step``; keep the newest
     ``keep`` checkpoints. Returns False if one for that step exists already."""
     arrays: dict[str, np.ndarray] = {}

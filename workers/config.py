@@ -126,10 +126,40 @@ class TrainConfig(_Strict):
     )
     threads: int = Field(default=0, ge=0, description="torch threads per worker; 0 = default")
     keep_checkpoints: int = Field(
-        default=4, ge=0,
+        default=1, ge=0,
         description="round checkpoints of the canonical model the aggregator keeps per "
-                    "fragment (float32 parameters and momentum each); 0 keeps all",
+                    "fragment (float32 parameters and momentum each); 0 keeps all. One is "
+                    "enough to resume: later rounds replay from their committed means",
     )
+
+
+class RetentionConfig(_Strict):
+    """What a run's store keeps, so that a bucket does not fill with what neither a
+    resume nor an audit needs (``diloco gc``; applied when a run finishes)."""
+
+    worker_checkpoints: int = Field(
+        default=1, ge=1,
+        description="checkpoints each worker keeps while it trains (the newest resumes it)",
+    )
+    contributions: int | Literal["all"] = Field(
+        default=2,
+        description="rounds per fragment whose outer-gradient payloads a finished run keeps "
+                    "(the newest ones); the commit records, naming each payload's sha256, "
+                    "norm and weight, always stay. 'all' keeps every payload, to recompute "
+                    "every mean",
+    )
+    after_run: bool = Field(
+        default=True,
+        description="when a run finishes, delete what it no longer needs (worker "
+                    "checkpoints, payloads beyond 'contributions', orphans)",
+    )
+
+    @field_validator("contributions")
+    @classmethod
+    def _non_negative(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 0:
+            raise ValueError("contributions: a number of rounds >= 0, or 'all'")
+        return v
 
 
 class RunConfig(_Strict):
@@ -143,6 +173,7 @@ class RunConfig(_Strict):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)
     parent_run: str | None = Field(
         default=None,
         description="the run whose canonical model this run starts from (a continuation)",

@@ -287,7 +287,8 @@ class WorkerLoop:
         }
         # a checkpoint write is safe to repeat (create-only commit): an outage of the
         # store is ridden out for up to sync.outage_s rather than killing the worker
-        outlast(lambda: checkpoint.save(self.ckpt_store, self.worker, self.step, state),
+        keep = self.cfg.retention.worker_checkpoints
+        outlast(lambda: checkpoint.save(self.ckpt_store, self.worker, self.step, state, keep),
                 patience_s=self.cfg.sync.outage_s, log=log, pause_s=2.0,
                 what=f"worker {self.worker}: checkpoint at step {self.step}")
         log.info("worker %s: checkpoint at step %d", self.worker, self.step)
