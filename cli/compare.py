@@ -12,31 +12,55 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 
 from cli.console import fail
 from tracking import compare as comparing
 
 
-def rich_table(rows: list[comparing.CompareRow], width: int = 200) -> Table:
-    """A row per run when the terminal is wide enough, else a column per run."""
+def rich_table(rows: list[comparing.CompareRow], width: int = 200) -> RenderableType:
+    """A row per run when that fits ``width``; else a column per run, as many runs
+    side by side as fit (more tables below when they do not). A figure or a run's
+    name is never cut."""
     cells = comparing.formatted(rows)
     headers = comparing.headers(rows)  # the config fields that differ included
-    if width >= 190 or len(rows) > 6:
-        table = Table(title="diloco compare", header_style="bold")
-        for name, header in headers.items():
-            table.add_column(header, justify="left" if comparing.is_text(name) else "right")
-        for row in cells:
-            table.add_row(*row.values())
-        return table
-    table = Table(title="diloco compare", header_style="bold", show_header=True)
-    table.add_column("", style="bold")
+    measure = Console(width=width)
+    table = Table(title="diloco compare", header_style="bold")
+    for name, header in headers.items():
+        table.add_column(header, justify="left" if comparing.is_text(name) else "right",
+                         no_wrap=True)
     for row in cells:
-        table.add_column(row["run"], justify="right")
-    for header in list(headers.values())[1:]:
+        table.add_row(*row.values())
+    if _fits(measure, table):
+        return table
+    tables: list[Table] = []
+    todo = list(cells)
+    while todo:
+        for n in range(len(todo), 0, -1):  # the most runs that fit (one always goes)
+            part = _by_run(todo[:n], list(headers.values())[1:],
+                           title="diloco compare" if not tables else None)
+            if n == 1 or _fits(measure, part):
+                break
+        tables.append(part)
+        todo = todo[n:]
+    return tables[0] if len(tables) == 1 else Group(*tables)
+
+
+def _by_run(cells: list[dict[str, str]], headers: list[str], title: str | None) -> Table:
+    table = Table(title=title, header_style="bold", show_header=True)
+    table.add_column("", style="bold", no_wrap=True)
+    for row in cells:
+        table.add_column(row["run"], justify="right", no_wrap=True)
+    for header in headers:
         table.add_row(header, *(row[header] for row in cells))
     return table
+
+
+def _fits(console: Console, table: Table) -> bool:
+    """Whether ``table`` fits the console's width whole (measured unbounded)."""
+    options = console.options.update_width(1 << 20)
+    return console.measure(table, options=options).maximum <= console.width
 
 
 def compare_command(

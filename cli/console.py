@@ -20,9 +20,26 @@ from rich.markup import escape
 from tracking.settings import tracking_enabled
 from workers.data.errors import DataError
 
-# In a terminal, its width; piped (CI, tests, logs), wide enough for the tables.
-console = Console(width=None if sys.stdout.isatty() else 110)
-errors = Console(stderr=True, width=None if sys.stderr.isatty() else 110)
+#: The width of what is printed to a pipe or a file when COLUMNS does not say.
+PIPED_WIDTH = 160
+
+
+def width_for(stream: object) -> int | None:
+    """The console width for ``stream``: a terminal's own (None: rich asks it);
+    piped (CI, tests, logs), COLUMNS when it says 80 or more, else PIPED_WIDTH.
+    The tables fit any width from 80 up (they drop columns, never cut a figure)."""
+    isatty = getattr(stream, "isatty", None)
+    if isatty is not None and isatty():
+        return None
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        columns = 0
+    return columns if columns >= 80 else PIPED_WIDTH
+
+
+console = Console(width=width_for(sys.stdout))
+errors = Console(stderr=True, width=width_for(sys.stderr))
 
 EXIT_FAILED, EXIT_USAGE, EXIT_CANCELLED, EXIT_INTERRUPTED = 1, 2, 3, 130
 

@@ -30,7 +30,7 @@ from cli.console import (
     shown,
     user_errors,
 )
-from cli.progress import LiveProgress, print_report
+from cli.progress import print_report, progress_for
 from cli.store import describe, local_s3, read_back_hint
 from flows.cancel import live_local_jobs
 from flows.control import cancel_request, read_launcher
@@ -58,7 +58,8 @@ def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: 
     where = shown(run_url)
     console.print(f"[bold]{'resuming' if resume else 'training'}[/] {where}  "
                   f"(Prefect: {prefect_hint()})", highlight=False)
-    live = LiveProgress(lambda: open_run(run_url, storage_options), console)
+    # bars in a terminal; piped or in CI, a plain line per round, eval and state
+    live = progress_for(console)(lambda: open_run(run_url, storage_options), console)
     state = None
     try:
         with live:
