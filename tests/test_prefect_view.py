@@ -115,3 +115,58 @@ def test_flow_runs_show_the_training(tmp_path):
     progress = [a for a in artifacts if a["type"] == "progress"]
     assert len(progress) == 1 and progress[0]["data"] == 100.0, artifacts
     assert progress[0]["description"] == "rounds applied by the aggregator: 6/6 (finished)"
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    """infra/prefect.yaml deployed to a server on loopback, a worker per pool."""
+    try:
+        from test_deployments import deployed as fixture
+    except ImportError:  # tests imported as a package
+        from tests.test_deployments import deployed as fixture
+    yield from fixture.__wrapped__(tmp_path_factory)
+
+
+_READ_RUN = r"""
+import json, sys
+from prefect import get_client
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+from prefect.deployments import run_deployment
+
+params = json.loads(sys.argv[1])
+train = run_deployment("train/train", parameters=params, timeout=400)
+out = {"train": {"name": train.name, "state": train.state.type.value}}
+with get_client(sync_client=True) as client:
+    for run in client.read_flow_runs():
+        if run.id == train.id or not run.name.startswith(train.name + "/"):
+            continue
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
+            any_=[run.id])))
+        if run.state.type.value == "COMPLETED":  # not a crashed first attempt, relaunched
+            out[run.name] = {"logs": [l.message for l in logs]}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_deployment_runs_are_named_and_log_their_rounds(deployed):
+    """A scheduled run's train flow run (no run_url) takes the run's id as its name
+    once it has chosen it; its children, in the work pools, are <run id>/<job>."""
+    server, env, tmp, _ = deployed
+    store = tmp / "named"
+    params = {"config": "tiny", "backend": "deployments",
+              "overrides": [*MICRO, f"store={store}"]}
+    out = subprocess.run([sys.executable, "-c", _READ_RUN, json.dumps(params)], env=env,
+                         text=True, capture_output=True, timeout=450, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    train = seen.pop("train")
+    assert train["state"] == "COMPLETED", train
+    (run_dir,) = store.iterdir()
+    assert train["name"] == run_dir.name and run_dir.name.startswith("tiny-"), train
+    assert set(seen) == {f"{run_dir.name}/{n}" for n in ("region-a", "region-b",
+                                                        "aggregator")}, seen
+    worker = seen[f"{run_dir.name}/region-b"]["logs"]
+    assert any("sent" in m and "loss" in m for m in worker), worker
+    assert any("eval loss" in m for m in worker), worker
+    assert any("applied" in m for m in seen[f"{run_dir.name}/aggregator"]["logs"])
