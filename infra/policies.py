@@ -10,10 +10,12 @@ granted to its owner and to no one else:
   canonical model.
 - ``aggregator``: reads everything, writes the means, their commits, the rejection
   notes, the canonical state (which it prunes), its registration and status.
-- ``launcher``: the operator (the train job, ``diloco run``/``resume``/``cancel``,
+- ``launcher``: the operator (the train job, ``diloco run``/``resume``/``cancel``/``gc``,
   ``python -m workers --create``): creates the run (manifest, initial parameters,
   prepared data), writes tracking.json, the launcher record, the train job's status
-  and cancel requests (and deletes a request on resume).
+  and cancel requests (and deletes a request on resume). It also deletes what
+  ``diloco gc`` collects (checkpoints and payloads: the ``collected`` keys), and
+  nothing else: no commit record, status or manifest.
 - ``viewer``: read-only (dashboards, ``diloco status``, evaluation, comparisons).
 
 A document covers every run under ``s3://bucket/prefix``: the runs one level below
@@ -128,6 +130,12 @@ def role_policies(bucket: str, prefix: str, workers: Iterable[str] = ()) -> dict
             statements.append({
                 "Sid": "PruneOwnKeys", "Effect": "Allow", "Action": DELETE_ACTIONS,
                 "Resource": [_arn(bucket, runs, p) for p in pruned],
+            })
+        if owner == layout.LAUNCHER:
+            statements.append({
+                "Sid": "CollectGarbage", "Effect": "Allow", "Action": DELETE_ACTIONS,
+                "Resource": [_arn(bucket, runs, p.resource()) for p in layout.KEYS
+                             if p.collected],
             })
         return _document(statements)
 

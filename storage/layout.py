@@ -176,13 +176,16 @@ class KeyPattern:
 
     ``template`` is relative to the run's root, with ``{field}`` parts from
     `FIELDS`; ``owner`` is a role of `ROLES` (``worker``: the worker its
-    ``{worker}`` field names); ``prunes``: the owner also deletes these keys.
+    ``{worker}`` field names); ``prunes``: the owner also deletes these keys;
+    ``collected``: the launcher deletes them too, in ``diloco gc`` (workers/gc.py), when
+    neither a resume nor the retention needs them.
     """
 
     template: str
     owner: str
     what: str
     prunes: bool = False
+    collected: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(_FIELD.findall(self.template)) - set(FIELDS)
@@ -241,25 +244,26 @@ KEYS: tuple[KeyPattern, ...] = (
     KeyPattern(CANCEL, LAUNCHER, "a cancel request", prunes=True),
     KeyPattern(cancelled("{stamp}"), LAUNCHER, "a withdrawn cancel request"),
     KeyPattern("frag/{fragment}/{round}/mean/{writer}/{nonce}/{path}", AGGREGATOR,
-               "a mean"),
+               "a mean", collected=True),
     KeyPattern("frag/{fragment}/{round}/mean.json", AGGREGATOR, "the commit of a mean"),
     KeyPattern("frag/{fragment}/{round}/rejected/{worker}.json", AGGREGATOR,
                "why a worker's contribution was rejected"),
     KeyPattern("global/frag/{fragment}/{round}.json", AGGREGATOR,
-               "canonical state after a round: commit", prunes=True),
+               "canonical state after a round: commit", prunes=True, collected=True),
     KeyPattern("global/frag/{fragment}/{round}/{path}", AGGREGATOR,
-               "canonical state after a round", prunes=True),
+               "canonical state after a round", prunes=True, collected=True),
     KeyPattern(member(AGGREGATOR), AGGREGATOR, "the aggregator's registration"),
     KeyPattern(member_status(AGGREGATOR), AGGREGATOR, "the aggregator's status"),
     KeyPattern("frag/{fragment}/{round}/delta/{worker}/{nonce}/{path}", WORKER,
-               "an outer gradient"),
+               "an outer gradient", collected=True),
     KeyPattern("frag/{fragment}/{round}/commits/{worker}.json", WORKER,
                "the commit of an outer gradient"),
     KeyPattern(member("{worker}"), WORKER, "a worker's registration"),
     KeyPattern(member_status("{worker}"), WORKER, "a worker's status"),
     KeyPattern("workers/{worker}/ckpt/{step}.json", WORKER, "a checkpoint: commit",
-               prunes=True),
-    KeyPattern("workers/{worker}/ckpt/{step}/{path}", WORKER, "a checkpoint", prunes=True),
+               prunes=True, collected=True),
+    KeyPattern("workers/{worker}/ckpt/{step}/{path}", WORKER, "a checkpoint", prunes=True,
+               collected=True),
 )
 
 

@@ -231,44 +231,31 @@ class ObjectStore:
     def list(self, prefix: str = "") -> list[str]:
         """All keys under ``prefix/`` (recursively), relative to this store's root,
         sorted; ``[]`` if there are none. ``""`` lists the whole store."""
-        prefix = prefix.rstrip("/")
-        if prefix:
-            validate_key(prefix, what="prefix")
-        base = self._join(prefix) if prefix else self._root
-        where = f"{prefix}/" if prefix else ""
-        found = self._run("list", where, lambda _attempt: self._find_raw(base))
-        self.traffic.record("list", self._tkey(where))
-        root = self._root.rstrip("/") + "/"
-        want = f"{prefix}/" if prefix else ""
-        keys = []
-        for path in found:
-            if not path.startswith(root):
-                continue
-            key = path[len(root) :]
-            if not key.startswith(want) or key.endswith("/") or TMP_MARK in key:
-                continue
-            keys.append(key)
-        return sorted(set(keys))
+        return sorted(self._listing(prefix, detail=False))
 
     def sizes(self, prefix: str = "") -> dict[str, int]:
         """Every key under ``prefix/`` with its size in bytes, from one listing (what
         ``diloco status`` and ``diloco gc`` add up); ``{}`` if there are none."""
+        return dict(sorted(self._listing(prefix, detail=True).items()))
+
+    def _listing(self, prefix: str, *, detail: bool) -> dict[str, int]:
+        """{key: size} (size 0 unless ``detail``) of the objects under ``prefix/``."""
         prefix = prefix.rstrip("/")
         if prefix:
             validate_key(prefix, what="prefix")
         base = self._join(prefix) if prefix else self._root
-        where = f"{prefix}/" if prefix else ""
-        found = self._run("list", where, lambda _attempt: self._find_raw(base, detail=True))
-        self.traffic.record("list", self._tkey(where))
+        want = f"{prefix}/" if prefix else ""
+        found = self._run("list", want, lambda _attempt: self._find_raw(base, detail))
+        self.traffic.record("list", self._tkey(want))
         root = self._root.rstrip("/") + "/"
-        out = {}
-        for path, info in found.items():
-            key = path[len(root):] if path.startswith(root) else None
-            if key is None or not key.startswith(where) or key.endswith("/") or TMP_MARK in key:
-                continue
-            if info.get("type", "file") == "file":
-                out[key] = int(info.get("size") or 0)
-        return dict(sorted(out.items()))
+        keys = {}
+        for path in found:
+            info = found[path] if detail else {}
+            key = path[len(root):]
+            if (path.startswith(root) and key.startswith(want) and not key.endswith("/")
+                    and TMP_MARK not in key and info.get("type", "file") == "file"):
+                keys[key] = int(info.get("size") or 0)
+        return keys
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete every key under ``prefix/``. Missing prefixes are fine.

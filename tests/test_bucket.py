@@ -214,7 +214,8 @@ def test_role_policies_are_valid_json_with_expected_shape():
 @pytest.mark.parametrize("prefix", ["runs", "team/runs", ""])
 def test_each_key_of_the_layout_is_written_by_its_owner_only(prefix):
     """For every kind of key a run writes, in a run under the prefix: its owner may
-    write it (and delete it where it prunes), every other role only reads it."""
+    write it (and delete it where it prunes; the launcher deletes what gc collects),
+    every other role only reads it."""
     policies = role_policies("bkt", prefix, workers=["w1", "w2"])
     for pattern in layout.KEYS:
         relative = pattern.example("w1")
@@ -223,7 +224,8 @@ def test_each_key_of_the_layout_is_written_by_its_owner_only(prefix):
         for role, policy in policies.items():
             assert allowed(policy, "s3:PutObject", "bkt", key) == (role == owner), (role, key)
             assert allowed(policy, "s3:DeleteObject", "bkt", key) == (
-                role == owner and pattern.prunes), (role, key)
+                role == owner and pattern.prunes
+                or role == layout.LAUNCHER and pattern.collected), (role, key)
             assert allowed(policy, "s3:GetObject", "bkt", key), (role, key)
     if prefix:  # outside the prefix, and keys not inside a run, are no one's
         for role, policy in policies.items():
@@ -450,7 +452,7 @@ def test_setup_installs_the_bucket_policy_for_principals(s3_user_env, s3_client,
                             *[f"--principal={role}={arn}" for role, arn in arns.items()])
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines()[-1] == (
-        "installed the bucket policy: 6 statements for launcher, worker:eu; "
+        "installed the bucket policy: 7 statements for launcher, worker:eu; "
         "1 statements of others kept")
     stored = json.loads(s3_client.get_bucket_policy(Bucket=fresh_bucket)["Policy"])
     assert _normal(stored) == _normal(bucket_policy(

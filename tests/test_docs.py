@@ -82,8 +82,9 @@ def test_the_key_table_of_the_design_page_is_layout_keys():
     documented = []
     for row in rows:
         key, writer, what = (cell.strip() for cell in row.strip("|").split("|"))
-        owner, prunes = writer.removesuffix(" (prunes)"), writer.endswith("(prunes)")
-        documented.append((key.strip("`"), owner, what, prunes))
-    declared = [(p.template, p.owner, p.what, p.prunes) for p in layout.KEYS]
+        owner, _, flags = writer.partition(" (")
+        flags = set(flags.rstrip(")").split(", ")) if flags else set()
+        documented.append((key.strip("`"), owner, what, "prunes" in flags, "gc" in flags))
+    declared = [(p.template, p.owner, p.what, p.prunes, p.collected) for p in layout.KEYS]
     assert documented == declared, (
         "docs/design.md's key table differs from storage/layout.py KEYS; update the table")
