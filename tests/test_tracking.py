@@ -36,7 +36,6 @@ from tracking.hooks import Hooks
 from tracking.mlflow_hooks import MlflowHooks, hooks_for
 from tracking.plots import RUN_PLOTS
 from tracking.runs import TRACKING_KEY
-from tracking.settings import git_commit
 from workers.config import RunConfig, load_config
 
 try:
@@ -211,7 +210,6 @@ def check_tiny_run(client: MlflowClient, run_url: str, store: ObjectStore) -> di
     assert tags["mlflow.runName"] == run_url.rsplit("/", 1)[-1]
     assert tags["mlflow.source.type"] == "JOB"
     assert tags["mlflow.source.name"] == "diloco train"
-    assert tags["mlflow.source.git.commit"] == git_commit()
     assert re.fullmatch(r"[0-9a-f]{40}", tags["mlflow.source.git.commit"])
     assert params["train.steps"] == str(STEPS)
     assert params["sync.fragments"] == "2"
@@ -231,7 +229,7 @@ def check_tiny_run(client: MlflowClient, run_url: str, store: ObjectStore) -> di
         assert run.data.tags["diloco.info.host"] == "test"
         assert run.data.tags["mlflow.runName"] == w
         assert run.data.tags["mlflow.source.name"] == "diloco worker"
-        assert run.data.tags["mlflow.source.git.commit"] == git_commit()
+        assert run.data.tags["mlflow.source.git.commit"] == tags["mlflow.source.git.commit"]
         rid = run.info.run_id
         # log_every 10: steps 10..60; loss 5 - 0.02 t (+0.1 for region-b)
         off = 0.1 if w == "region-b" else 0.0
@@ -593,6 +591,16 @@ def test_micro_training_run_through_the_train_job(sqlite_tracking: str, tmp_path
     parent = client.get_run(info["parent_run_id"])
     assert parent.info.run_name == "micro" and parent.info.status == "FINISHED"
     assert parent.data.params["train.steps"] == "20"
+    # the prepared data as the run's input: named by its sources, its digest the
+    # fingerprint of its tokens, its source the data's URL
+    from workers.data.streams import open_dataset
+
+    (given,) = parent.inputs.dataset_inputs
+    assert given.dataset.name == "builtin:shakespeare"
+    assert given.dataset.digest == open_dataset(f"{run_url}/data").fingerprint
+    assert f"{run_url}/data" in given.dataset.source
+    assert json.loads(given.dataset.profile)["train_tokens"] > 0
+    assert {t.key: t.value for t in given.tags} == {"mlflow.data.context": "training"}
     kids = {k.info.run_name: k for k in client.search_runs(
         [info["experiment_id"]],
         filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
@@ -664,3 +672,62 @@ def test_curves_read_old_and_new_aggregator_steps(sqlite_tracking: str) -> None:
         ev = load_run_curves(client, client.get_run(parent.info.run_id)).canonical_eval()
         assert ev.steps.tolist() == [20, 40, 60], style
         assert ev.values.tolist() == [4.5, 4.0, 3.5], style
+
+
+def test_artifacts_survive_moving_the_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               mlflow_db_template: Path) -> None:
+    """The embedded store's artifact location is relative (``mlartifacts``): a run
+    tracked in one directory, moved elsewhere, is opened from the new place by the
+    client and by ``mlflow ui``, artifacts included."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    shutil.copy(mlflow_db_template, checkout / "mlflow.db")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the embedded default
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "diloco-test")
+    monkeypatch.setenv("DILOCO_SYSTEM_METRICS", "off")
+    monkeypatch.delenv("DILOCO_TRACKING", raising=False)
+    monkeypatch.chdir(checkout)
+    run = fake_run((tmp_path / "store" / "run-moved").as_uri(), steps=20)
+    assert all(c == {} for c in run["closes"].values()), run["closes"]
+    client = MlflowClient(f"sqlite:///{checkout / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("diloco-test")
+    assert exp.artifact_location == "mlartifacts"
+    (parent,) = client.search_runs([exp.experiment_id], "tags.`diloco.role` = 'train'")
+    assert parent.info.artifact_uri == f"mlartifacts/{parent.info.run_id}/artifacts"
+
+    moved = tmp_path / "elsewhere" / "moved-checkout"
+    moved.parent.mkdir()
+    checkout.rename(moved)
+    monkeypatch.chdir(moved)
+    client = MlflowClient("sqlite:///mlflow.db")
+    got = client.download_artifacts(parent.info.run_id, "summary.json", str(tmp_path))
+    assert json.loads(Path(got).read_text())["steps"] == 20
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ui = subprocess.Popen(  # noqa: S603 - mlflow ui from the moved directory, as the hint says
+        [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", "sqlite:///mlflow.db",
+         "--host", "127.0.0.1", "--port", str(port)], cwd=moved, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = (f"http://127.0.0.1:{port}/get-artifact?path=summary.json"
+               f"&run_uuid={parent.info.run_id}")
+        deadline, body = time.monotonic() + 90, None
+        while body is None and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as answer:
+                    body = answer.read()
+            except OSError:
+                time.sleep(0.5)
+        assert body is not None and json.loads(body)["steps"] == 20
+    finally:
+        os.killpg(ui.pid, signal.SIGTERM)
+        ui.wait(30)

@@ -37,14 +37,16 @@ from __future__ import annotations
 import csv
 import logging
 import re
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tracking.curves import RunCurves, load_run_curves
 from tracking.plots import fmt_bytes, plot_overlay
+from tracking.runs import create_experiment, log_artifacts
 from tracking.settings import (
-    artifact_location,
     default_tracking_uri,
     experiment_name,
     short_http_retries,
@@ -294,16 +296,18 @@ def write_markdown(rows: list[CompareRow], path: Path, plots: list[Path]) -> Pat
 def _log_comparison(client: Any, rows: list[CompareRow], files: list[Path]) -> str:
     name = experiment_name()
     exp = client.get_experiment_by_name(name)
-    exp_id = exp.experiment_id if exp is not None else client.create_experiment(
-        name, artifact_location=artifact_location(client.tracking_uri))
+    exp_id = exp.experiment_id if exp is not None else create_experiment(
+        client, name, client.tracking_uri)
     title = "compare " + " vs ".join(r.run for r in rows)
     run = client.create_run(exp_id, run_name=title[:200], tags={
         "diloco.role": "compare",
         "diloco.compared": ",".join(r.run_id for r in rows)[:8000],
     })
     run_id = run.info.run_id
-    for path in files:
-        client.log_artifact(run_id, str(path))
+    with tempfile.TemporaryDirectory(prefix="diloco-compare-") as tmp:
+        for path in files:
+            shutil.copy(path, Path(tmp) / path.name)
+        log_artifacts(client, client.tracking_uri, run_id, tmp)
     client.set_terminated(run_id)
     return run_id
 

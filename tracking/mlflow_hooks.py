@@ -2,7 +2,8 @@
 
 The parent run, the child run of each worker and of the aggregator, and
 ``tracking.json``, which links the jobs through the run's store, are in
-`tracking.runs`; settings in `tracking.settings`.
+`tracking.runs`; what the parent run holds besides metrics (params, the dataset,
+the summary and plots) in `tracking.parent_run`; settings in `tracking.settings`.
 
 Logging never stops or slows training (docs/design.md, principle 1). Metrics go through
 MLflow's asynchronous logging (``log_batch(synchronous=False)``) with a bounded outage
@@ -41,19 +42,17 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
 import os
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from tracking import parent_run
 from tracking.hooks import Hooks
 from tracking.metrics import (
     eval_metrics,
@@ -78,13 +77,11 @@ from tracking.settings import (
     strip_credentials,
     system_metrics_enabled,
     tracking_enabled,
-    without_credentials,
 )
 from tracking.system_metrics import SystemMonitors
 
 log = logging.getLogger(__name__)
 
-PARAMS_PER_BATCH = 100
 CONFIRM_EVERY = 0.05  # seconds; see `MetricSender.window`
 
 _STATUS = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED",
@@ -187,6 +184,8 @@ class MlflowHooks(Hooks):
             self._task(_Task("log the config as params",
                              lambda: self._log_config(dict(config)),
                              lost={"params": len(flatten(config)) + bool(n_params)}))
+            self._task(_Task("log the dataset as the run's input",
+                             lambda: self._log_dataset(dict(config)), lost={"inputs": 1}))
         except Exception:  # noqa: BLE001 - a hook never raises
             log.debug("run_started not tracked", exc_info=True)
 
@@ -420,26 +419,14 @@ class MlflowHooks(Hooks):
         self._opened_run("parent", run_id, resumed=resumed)
 
     def _log_config(self, config: dict[str, Any]) -> None:
-        """The resolved config, flattened, as the parent's params (same values again
-        on a resumed run, which MLflow accepts), plus the model's parameter count."""
-        from mlflow.entities import Param  # noqa: PLC0415
+        dropped = parent_run.log_config(self.links.client(), self._require("parent"), config,
+                                        self._n_params)
+        with self._lock:
+            self._dropped["params"] += dropped
 
-        parent = self._require("parent")
-        params = flatten(config)
-        if self._n_params:
-            params["model.parameters"] = str(self._n_params)
-        items = [Param(k, v) for k, v in sorted(params.items())]
-        for i in range(0, len(items), PARAMS_PER_BATCH):
-            chunk = items[i : i + PARAMS_PER_BATCH]
-            try:
-                self.links.client().log_batch(parent, params=chunk, synchronous=True)
-            except Exception as exc:
-                if not is_permanent(exc):
-                    raise
-                with self._lock:
-                    self._dropped["params"] += len(chunk)
-                log.warning("MLflow tracking (%s): %d params not logged: %s",
-                            self.role, len(chunk), clip(str(exc), 300))
+    def _log_dataset(self, config: dict[str, Any]) -> None:
+        parent_run.log_dataset(self.links.client(), self._require("parent"), config,
+                               self.links.run_url, self.links.storage_options)
 
     def _set_tags(self, key: str, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag  # noqa: PLC0415
@@ -469,35 +456,11 @@ class MlflowHooks(Hooks):
 
     def _finish_parent(self, summary: dict[str, Any]) -> None:
         """The end of the train job: summary, config and plots on the parent run."""
-        from mlflow.entities import Metric  # noqa: PLC0415
-
-        from tracking import curves, plots  # noqa: PLC0415 - matplotlib only when needed
-
-        parent = self._require("parent")
-        client = self.links.client()
-        run_curves = curves.load_run_curves(client, client.get_run(parent))
         with self._lock:
             so_far = {k: int(v) for k, v in self._dropped.items() if v}
         if self.sender.dropped:
             so_far["metrics"] = self.sender.dropped
-        results = run_curves.results()
-        full = dict(summary)
-        full["tracking"] = {"parent_run_id": parent,
-                            "tracking_uri": strip_credentials(self.links.uri or ""),
-                            "not_logged_by_train_job": so_far, "results": results}
-        with tempfile.TemporaryDirectory(prefix="diloco-mlflow-") as tmp:
-            out = Path(tmp)
-            (out / "summary.json").write_text(json.dumps(full, indent=2, default=str))
-            if self._config is not None:
-                import yaml  # noqa: PLC0415
-
-                (out / "config.yaml").write_text(
-                    yaml.safe_dump(without_credentials(self._config), sort_keys=False))
-            plots.plot_run(run_curves, out / "plots")
-            client.log_artifacts(parent, str(out))
-        ts = int(time.time() * 1000)
-        metrics = [Metric(k, float(v), ts, 0) for k, v in results.items() if is_number(v)]
-        if metrics:
-            client.log_batch(parent, metrics=metrics, synchronous=True)
+        parent_run.finish(self.links.client(), self.links.uri, self._require("parent"),
+                          summary, self._config, so_far)
         state = str(summary.get("state", "finished"))
         self._end_run("parent", _STATUS.get(state, "FINISHED"), state)

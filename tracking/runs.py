@@ -30,17 +30,22 @@ them, never a hook call.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import sqlite3
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from storage import layout
 from tracking.settings import (
+    RELATIVE_ARTIFACTS,
     artifact_location,
     clip,
     code_version,
     default_tracking_uri,
+    relative_artifacts_db,
     schedule_of,
     source_tags,
     strip_credentials,
@@ -71,6 +76,41 @@ def is_permanent(exc: BaseException) -> bool:
         return True
     code = getattr(exc, "error_code", None)
     return isinstance(code, str) and code in PERMANENT_CODES
+
+
+def create_experiment(client: Any, name: str, uri: str) -> str:
+    """Create experiment ``name``; in the embedded SQLite store in the working
+    directory, with the relative artifact location ``mlartifacts`` (see
+    `tracking.settings.artifact_location`): MLflow makes any local location
+    absolute when it creates an experiment, so the location is set in the database
+    right after. Every run created after it gets ``mlartifacts/<run id>/artifacts``,
+    which MLflow (``mlflow ui``, the client) resolves against its working directory:
+    the checkout, wherever it has moved."""
+    exp_id = client.create_experiment(name, artifact_location=artifact_location(uri))
+    db = relative_artifacts_db(uri)
+    if db is not None:
+        with contextlib.closing(sqlite3.connect(db)) as con, con:
+            con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?",
+                        (RELATIVE_ARTIFACTS, int(exp_id)))
+    return exp_id
+
+
+def log_artifacts(client: Any, uri: str | None, run_id: str, local_dir: str | Path,
+                  artifact_path: str | None = None) -> None:
+    """``client.log_artifacts``, writing a relative artifact location beside the
+    SQLite file it belongs with (this process's working directory may be another)."""
+    run = client.get_run(run_id)
+    where = run.info.artifact_uri or ""
+    db = (uri or "").removeprefix("sqlite:///") if (uri or "").startswith("sqlite:///") else ""
+    if db and where and "://" not in where and not where.startswith(("/", "file:")):
+        from mlflow.store.artifact.local_artifact_repo import (  # noqa: PLC0415
+            LocalArtifactRepository,
+        )
+
+        LocalArtifactRepository(str(Path(db).parent / where)).log_artifacts(
+            str(local_dir), artifact_path)
+        return
+    client.log_artifacts(run_id, str(local_dir), artifact_path)
 
 
 class RunLinks:
@@ -135,8 +175,7 @@ class RunLinks:
                 client.restore_experiment(found.experiment_id)
             return found.experiment_id
         try:
-            return client.create_experiment(self.experiment,
-                                            artifact_location=artifact_location(self.uri))
+            return create_experiment(client, self.experiment, self.uri or "")
         except Exception as exc:
             if getattr(exc, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
                 raise

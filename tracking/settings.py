@@ -63,11 +63,31 @@ def experiment_name() -> str:
     return os.environ.get("MLFLOW_EXPERIMENT_NAME", "").strip() or DEFAULT_EXPERIMENT
 
 
+RELATIVE_ARTIFACTS = "mlartifacts"
+
+
+def relative_artifacts_db(uri: str) -> str | None:
+    """The SQLite file of ``uri`` when it is in the working directory (the embedded
+    default): its experiments keep their artifacts at the relative location
+    ``mlartifacts``, which survives moving the directory. None otherwise."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = Path(uri.removeprefix("sqlite:///"))
+    with contextlib.suppress(OSError):
+        if db.resolve().parent == Path.cwd().resolve():
+            return str(db)
+    return None
+
+
 def artifact_location(uri: str) -> str | None:
-    """Where a new experiment keeps its artifacts: beside the SQLite file for the
-    embedded default (else MLflow's default: the server's, or ./mlruns)."""
+    """Where a new experiment keeps its artifacts: ``mlartifacts`` beside the SQLite
+    file for the embedded default. When that file is in the working directory the
+    location becomes the relative ``mlartifacts`` (`tracking.runs.create_experiment`;
+    ``mlflow ui`` is then opened from that directory, as its hint says, wherever the
+    directory has moved); a SQLite file elsewhere gets the absolute path. Else
+    MLflow's default: the server's, or ./mlruns."""
     if uri.startswith("sqlite:///"):
-        return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
+        return (Path(uri.removeprefix("sqlite:///")).parent / RELATIVE_ARTIFACTS).as_uri()
     return None
 
 
