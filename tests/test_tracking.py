@@ -731,3 +731,32 @@ def test_artifacts_survive_moving_the_directory(tmp_path: Path, monkeypatch: pyt
     finally:
         os.killpg(ui.pid, signal.SIGTERM)
         ui.wait(30)
+
+
+def test_an_old_absolute_artifact_location_is_made_relative(
+        sqlite_tracking: str, tmp_path: Path) -> None:
+    """An embedded store made before (experiment at ``file:///<old dir>/mlartifacts``,
+    its runs under it), in a checkout that has moved since: the next run made from
+    here turns the experiment and its runs relative, and the old run's artifacts open."""
+    from tracking.runs import make_relative
+
+    client = MlflowClient(sqlite_tracking)
+    old = "file:///somewhere/it/was/mlartifacts"
+    exp = client.create_experiment("diloco-test", artifact_location=old)
+    run = client.create_run(exp, run_name="old")
+    assert run.info.artifact_uri == f"{old}/{run.info.run_id}/artifacts"
+    kept = (tmp_path / "mlartifacts" / run.info.run_id / "artifacts")
+    kept.mkdir(parents=True)
+    (kept / "summary.json").write_text('{"steps": 7}')
+    other = client.create_experiment("elsewhere", artifact_location="file:///data/artifacts")
+
+    run_url = (tmp_path / "store" / "run-new").as_uri()
+    fake_run(run_url, steps=20)
+    assert client.get_experiment(exp).artifact_location == "mlartifacts"
+    assert client.get_run(run.info.run_id).info.artifact_uri == (
+        f"mlartifacts/{run.info.run_id}/artifacts")
+    got = client.download_artifacts(run.info.run_id, "summary.json", str(tmp_path))
+    assert json.loads(Path(got).read_text()) == {"steps": 7}
+    # only what this store put beside itself: another location is left alone
+    assert make_relative(sqlite_tracking, other, "file:///data/artifacts") == 0
+    assert client.get_experiment(other).artifact_location == "file:///data/artifacts"

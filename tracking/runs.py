@@ -95,6 +95,30 @@ def create_experiment(client: Any, name: str, uri: str) -> str:
     return exp_id
 
 
+def make_relative(uri: str, experiment_id: str, location: str) -> int:
+    """An experiment of the embedded store created before artifact locations were
+    relative (an absolute ``file:///.../mlartifacts``, possibly of a directory the
+    checkout has since moved from): make it, and its runs' artifact URIs, relative
+    to ``mlartifacts``, so they open from here. Returns the runs rewritten."""
+    db = relative_artifacts_db(uri)
+    if db is None or not location.startswith("file://") or location.rstrip("/").rsplit(
+            "/", 1)[-1] != RELATIVE_ARTIFACTS:
+        return 0
+    prefix = location.rstrip("/") + "/"
+    with contextlib.closing(sqlite3.connect(db)) as con, con:
+        con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?",
+                    (RELATIVE_ARTIFACTS, int(experiment_id)))
+        cur = con.execute(
+            "UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) "
+            "WHERE experiment_id = ? AND substr(artifact_uri, 1, ?) = ?",
+            (RELATIVE_ARTIFACTS + "/", len(prefix) + 1, int(experiment_id), len(prefix),
+             prefix))
+        changed = cur.rowcount
+    log.info("MLflow: artifact locations of experiment %s made relative (%s/, %d runs)",
+             experiment_id, RELATIVE_ARTIFACTS, changed)
+    return changed
+
+
 def log_artifacts(client: Any, uri: str | None, run_id: str, local_dir: str | Path,
                   artifact_path: str | None = None) -> None:
     """``client.log_artifacts``, writing a relative artifact location beside the
@@ -173,6 +197,7 @@ class RunLinks:
         if found is not None:
             if found.lifecycle_stage == "deleted":
                 client.restore_experiment(found.experiment_id)
+            make_relative(self.uri or "", found.experiment_id, found.artifact_location)
             return found.experiment_id
         try:
             return create_experiment(client, self.experiment, self.uri or "")
