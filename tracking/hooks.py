@@ -33,7 +33,9 @@ class Hooks:
     def aggregator_round(self, report: dict[str, Any]) -> None:
         """The aggregator applied a round: fragment, round, weights, rejected,
         seconds, grad_norm, and when evaluated, eval_loss and perplexity of the
-        canonical model, plus bytes_up / bytes_down of the aggregator."""
+        canonical model, plus bytes_up / bytes_down of the aggregator (cumulative,
+        all its traffic) and, optionally, bytes_checkpoints: how many of its bytes up
+        were canonical checkpoints (``global/``), shown apart in the totals."""
 
     def aggregator_stalled(self, stalls: list[dict[str, Any]]) -> None:
         """No round was applied for a while: per open (fragment, round), the workers
