@@ -28,7 +28,8 @@ from rich.text import Text
 
 from cli.console import runnable
 from storage.exchange import Exchange
-from workers.report import human_bytes, human_seconds, snapshot
+from workers.gc import Usage
+from workers.report import human_bytes, human_seconds, snapshot, traffic_totals
 
 _STATE_STYLE = {"finished": "green", "running": "cyan", "cancelled": "yellow",
                 "interrupted": "yellow", "failed": "red"}
@@ -336,6 +337,26 @@ def canonical_line(report: dict[str, Any], initial: float | None = None) -> str:
             f"participation {part}, {g['rejected']} rejected")
 
 
+def traffic_line(g: dict[str, Any]) -> str:
+    """Every byte every party moved through the store, the aggregator's checkpoints
+    named (they are most of what it sends)."""
+    return (f"traffic: {human_bytes(g.get('bytes_total'))} through the store; workers sent "
+            f"{human_bytes(g.get('workers_bytes_up'))}, received "
+            f"{human_bytes(g.get('workers_bytes_down'))}; the aggregator sent "
+            f"{human_bytes(g.get('aggregator_bytes_up'))} (canonical checkpoints "
+            f"{human_bytes(g.get('bytes_checkpoints'))}), received "
+            f"{human_bytes(g.get('aggregator_bytes_down'))}")
+
+
+def store_line(store: dict[str, Any]) -> str:
+    """The run's size in the store, and what gc deleted when the run finished."""
+    kinds = ", ".join(f"{k} {human_bytes(v['bytes'])}" for k, v in
+                      (store.get("by_kind") or {}).items() if v.get("bytes"))
+    freed = store.get("freed_bytes")
+    gc_text = f"; gc deleted {human_bytes(freed)} it no longer needs" if freed else ""
+    return f"store: {human_bytes(store.get('bytes'))} ({kinds}){gc_text}"
+
+
 def print_report(console: Console, report: dict[str, Any], *,
                  initial_eval: float | None = None, where: list[tuple[str, str]] = ()) -> None:
     style = _STATE_STYLE.get(report["state"], "bold")
@@ -344,6 +365,9 @@ def print_report(console: Console, report: dict[str, Any], *,
     console.print(f"[bold {style}]{report['run_id']} {report['state']}[/]{took}")
     console.print(worker_table(report, console))
     console.print(canonical_line(report, initial_eval))
+    console.print(traffic_line(report["global"]))
+    if report.get("store"):
+        console.print(store_line(report["store"]))
     if report.get("message"):
         console.print(report["message"])
     lost = report.get("not_logged") or {}
@@ -369,7 +393,7 @@ STATUS_COLUMNS = (
 
 
 def print_status(console: Console, exchange: Exchange, run_url: str,
-                 launcher: dict | None, cancel: dict | None) -> None:
+                 launcher: dict | None, cancel: dict | None, usage: Usage | None = None) -> None:
     snap = snapshot(exchange)
     m = exchange.manifest
     console.print(f"[bold]{m.run_id}[/]  {run_url}")
@@ -383,8 +407,14 @@ def print_status(console: Console, exchange: Exchange, run_url: str,
     a = snap["aggregator"]
     rows.append(("aggregator", _state(a.get("state")),
                  f"{a.get('rounds', 0)}/{sum(m.rounds)} rounds", "", _loss(a.get("eval_loss")),
-                 "", "", "", "", (a.get("updated") or "")[11:19]))
+                 "", human_bytes(a.get("bytes_up")), human_bytes(a.get("bytes_down")), "",
+                 (a.get("updated") or "")[11:19]))
     console.print(fitted(console, STATUS_COLUMNS, rows))
+    workers = [{"bytes_up": s.get("bytes_up"), "bytes_down": s.get("bytes_down")}
+               for s in snap["workers"].values()]
+    console.print(traffic_line(traffic_totals(workers, a)))
+    if usage is not None:
+        console.print(store_line({"bytes": usage.total_bytes, "by_kind": usage.as_dict()}))
     for w, s in snap["workers"].items():
         waiting = s.get("waiting")
         if waiting and s.get("state") == "running":

@@ -13,6 +13,7 @@ from cli.progress import print_status
 from cli.train import open_named_run
 from flows import cancel as cancelling
 from flows.control import cancel_request, read_launcher, request_cancel
+from workers.gc import usage
 from workers.report import snapshot
 
 
@@ -23,11 +24,15 @@ def status(
     """Every party's progress, read from the run's store."""
     url, exchange = open_named_run(run)
     launcher, cancel = read_launcher(exchange.store), cancel_request(exchange.store)
+    size = usage(exchange.store)  # one listing of the run's objects
     if as_json:
         print(json.dumps({"run_url": url, **snapshot(exchange), "launcher": launcher,
-                          "cancel": cancel}, indent=1, default=str))
+                          "cancel": cancel, "store": {"bytes": size.total_bytes,
+                                                      "objects": size.total_objects,
+                                                      "by_kind": size.as_dict()}},
+                         indent=1, default=str))
         return
-    print_status(console, exchange, shown(url), launcher, cancel)
+    print_status(console, exchange, shown(url), launcher, cancel, size)
 
 
 def cancel(

@@ -50,9 +50,11 @@ from flows.jobs import (
     stop_on_signals,
     usage_errors,
 )
+from storage import layout
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
 from tracking.hooks import Hooks
+from workers.report import TRAFFIC_KEYS
 from workers.status import StatusBoard, read_all, read_status
 
 log = logging.getLogger(__name__)
@@ -157,6 +159,16 @@ def run_aggregator_job(
                "participants_total": 0}
     if previous.get("rounds_by_worker"):
         counted.update({k: previous[k] for k in counted if k in previous})
+    # the bytes it moves, cumulative across restarts like the workers' (their counters
+    # are in their checkpoints); its canonical checkpoints apart, as they are most of it
+    moved_before = {k: int(previous.get(k) or 0) for k in TRAFFIC_KEYS}
+
+    def moved() -> dict[str, int]:
+        t = exchange.store.traffic
+        ckpt = sum(c.bytes_up for cat, c in t.by_category().items()
+                   if cat.startswith(layout.CANONICAL_STATES))
+        now = {"bytes_up": t.bytes_up, "bytes_down": t.bytes_down, "bytes_checkpoints": ckpt}
+        return {k: moved_before[k] + now[k] for k in TRAFFIC_KEYS}
     if "initial_eval_loss" in previous:  # kept across restarts
         last_eval["initial_eval_loss"] = previous["initial_eval_loss"]
     elif evaluator is not None and sum(agg.next_round) == 0:
@@ -187,9 +199,8 @@ def run_aggregator_job(
         counted["participants_total"] += len(present)
         evaluated = maybe_evaluate()
         progress("running", force=True)  # a small write per round: the counts stay exact
-        traffic = exchange.store.traffic
-        hooks.aggregator_round({**asdict(report), **evaluated, "bytes_up": traffic.bytes_up,
-                                "bytes_down": traffic.bytes_down})
+        traffic = moved()
+        hooks.aggregator_round({**asdict(report), **evaluated, **traffic})
         evaluated_text = (f"; canonical eval loss {evaluated['eval_loss']:.4f}"
                           if "eval_loss" in evaluated else "")
         rejected = (f" ({len(report.rejected)} rejected: {', '.join(report.rejected)})"
@@ -197,7 +208,7 @@ def run_aggregator_job(
         flow_log("round %d of fragment %d applied (%d of %d rounds): %d of %d workers%s%s; "
                  "aggregator up %.2f MB, down %.2f MB", report.round, report.fragment,
                  sum(agg.next_round), total, len(present), len(manifest.workers), rejected,
-                 evaluated_text, traffic.bytes_up / 1e6, traffic.bytes_down / 1e6)
+                 evaluated_text, traffic["bytes_up"] / 1e6, traffic["bytes_down"] / 1e6)
 
     stalled: list[dict[str, Any]] = []
 
@@ -213,7 +224,7 @@ def run_aggregator_job(
     def progress(state: str, force: bool = False, **extra: Any) -> None:
         board.update(state, force=force, rounds=sum(agg.next_round), total_rounds=total,
                      rejected=agg.stats.rejected, stalled=stalled, **counted, **last_eval,
-                     **extra)
+                     **moved(), **extra)
 
     agg.on_round = on_round
     agg.on_stall = on_stall

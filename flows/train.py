@@ -42,16 +42,19 @@ from flows.jobs import (
     record_not_logged,
     refuse_secret_parameters,
     run_id_of,
+    set_state,
 )
 from flows.launchers import AGGREGATOR, DeploymentLauncher, Launcher, LocalLauncher
 from storage.backends import refuse_credentials
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
 from tracking.hooks import Hooks
+from workers import gc
 from workers.config import ConfigError, RunConfig, load_config
 from workers.locate import absolute, is_url, open_run, reach_store
 from workers.report import TRAIN, build_report, fraction_done, markdown, snapshot, table_rows
 from workers.runs import continuation, create_run, latest_run
+from workers.status import read_status
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +101,9 @@ def run_train(
     of a failed job), ConfigError, StoreUnreachable or RunExists before launching.
 
     ``stage(name, fn)`` wraps each stage (``create-run`` or ``open-run``,
-    ``launch-aggregator``, ``launch-workers``, ``wait``, ``report``): the `train`
-    flow passes one that makes them Prefect tasks, so its graph shows them."""
+    ``launch-aggregator``, ``launch-workers``, ``wait``, ``gc`` when it finished,
+    ``report``): the `train` flow passes one that makes them Prefect tasks, so its
+    graph shows them."""
     start = time.monotonic()
     run_url = absolute(refuse_credentials(run_url, what="run_url"))
     if config is None and not resume:
@@ -123,6 +127,7 @@ def run_train(
     if snap["aggregator"].get("state") != "finished":
         todo.insert(0, AGGREGATOR)
     state, message = "finished", ""
+    sized: dict[str, Any] | None = None
     try:
         if todo:
             if AGGREGATOR in todo:
@@ -134,6 +139,8 @@ def run_train(
             state, message = stage("wait", _follow)(
                 exchange, store, launcher, run_url, on_progress, poll_s=poll_s,
                 stop_grace_s=stop_grace_s, restarts=restarts)
+            if state == "finished":
+                sized = stage("gc", _collect)(exchange, config.retention.after_run)
         elif on_progress:
             on_progress(snapshot(exchange))
     except BaseException as exc:  # an error, Ctrl-C, SIGTERM (Prefect's TerminationSignal)
@@ -152,6 +159,8 @@ def run_train(
         report = (plain if raised else stage)("report", build_report)(
             exchange, run_url=run_url, state=state,
             wall_seconds=time.monotonic() - start, message=message)
+        if sized is not None:
+            report["store"] = sized
         hooks.run_finished(report)
         lost = close_hooks(hooks)
         if lost:
@@ -160,6 +169,26 @@ def run_train(
     if state == "failed":
         raise JobFailed(message, report)
     return report
+
+
+def _collect(exchange: Exchange, apply: bool) -> dict[str, Any] | None:
+    """A finished run: delete what it no longer needs (``retention.after_run``) and
+    measure what it holds. Never fails the run: a refused delete is logged."""
+    try:
+        sized = gc.after_run(exchange, apply=apply)
+    except Exception as exc:  # noqa: BLE001 - the training is done and committed
+        log.warning("gc after the run: %s: %s (run diloco gc to retry)",
+                    type(exc).__name__, exc)
+        return None
+    flow_log("store: %.1f MB%s", sized["bytes"] / 1e6,
+             f" after gc deleted {sized['freed_bytes'] / 1e6:.1f} MB it no longer needs"
+             if sized["freed_bytes"] else "")
+    try:  # where `diloco run` and any later report find it
+        current = read_status(exchange.store, TRAIN) or {}
+        set_state(exchange.store, TRAIN, current.get("state", "finished"), store_size=sized)
+    except Exception as exc:  # noqa: BLE001 - best effort, like the not-logged counts
+        log.warning("could not record the store's size: %s", exc)
+    return sized
 
 
 def _reopen(run_url: str, storage_options: dict | None, store: ObjectStore) -> Exchange:

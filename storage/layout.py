@@ -51,6 +51,7 @@ TRACKING = "tracking.json"
 DATASET = "data"  # the run's own prepared data, when the config names no other
 CANCEL = "control/cancel.json"
 LAUNCHER_RECORD = "members/launcher.json"
+CANONICAL_STATES = "global/frag"  # the aggregator's round checkpoints, per fragment
 
 LAUNCHER, AGGREGATOR, WORKER, VIEWER = "launcher", "aggregator", "worker", "viewer"
 #: The roles, as the bucket policies name them (a worker's is ``worker:<name>``).
@@ -114,11 +115,11 @@ def global_init(fragment: int) -> str:
 
 
 def global_state(fragment: int, round: int) -> str:
-    return f"global/frag/{fragment}/r{round:06d}"
+    return f"{CANONICAL_STATES}/{fragment}/r{round:06d}"
 
 
 def global_states(fragment: int) -> str:
-    return f"global/frag/{fragment}"
+    return f"{CANONICAL_STATES}/{fragment}"
 
 
 def global_commit(fragment: int, round: int) -> str:

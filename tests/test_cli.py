@@ -71,7 +71,10 @@ def test_main_command(main_run):
     agg = status["aggregator"]
     assert agg["rounds"] == agg["total_rounds"] == sum(manifest["rounds"])
     assert agg["eval_loss"] < agg["initial_eval_loss"] - 1.0  # a clearly falling loss
-    assert all((run / "workers" / w / "ckpt").is_dir() for w in ("region-a", "region-b"))
+    # a finished run keeps no worker checkpoint (retention.after_run: nothing resumes it)
+    assert not list(run.glob("workers/*/ckpt/*")), list(run.glob("workers/*/ckpt/*"))
+    assert "gc deleted" in text and "traffic:" in text and "canonical checkpoints" in text, (
+        text[-3000:])
     assert (run / "global").is_dir() and (run / "logs" / "aggregator.log").exists()
     launcher = json.loads((run / "members" / "launcher.json").read_text())
     assert launcher["backend"] == "local" and set(launcher["jobs"]) == {

@@ -97,7 +97,7 @@ def test_flow_runs_show_the_training(tmp_path):
 
     train = seen["view-run"]
     assert set(train["tasks"]) >= {"create-run", "launch-aggregator", "launch-workers",
-                                   "wait", "report"}, train["tasks"]
+                                   "wait", "gc", "report"}, train["tasks"]
     rounds = [m for m in train["logs"] if m.startswith("round ")]
     assert rounds and "loss" in rounds[-1], train["logs"]
     assert any("finished after 6 of 6 rounds" in m for m in train["logs"]), train["logs"]

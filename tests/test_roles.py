@@ -189,6 +189,12 @@ class _Warnings(logging.Handler):
         self.lines.append(f"{record.name}: {record.getMessage()}")
 
 
+def _keys(admin: Any) -> list[str]:
+    """Every key of the run, listed with the admin's credentials."""
+    return [obj["Key"] for page in admin.get_paginator("list_objects_v2").paginate(
+        Bucket=BUCKET, Prefix=f"{PREFIX}/{RUN}/") for obj in page.get("Contents", [])]
+
+
 @pytest.fixture(scope="module")
 def role_run(server, tmp_path_factory) -> dict[str, Any]:
     """The run, cancelled after its first checkpoint and resumed: the two reports,
@@ -247,6 +253,7 @@ def role_run(server, tmp_path_factory) -> dict[str, Any]:
         first = run_train(cfg, url, launcher=RoleLauncher(log_dir=logs), poll_s=0.3,
                           stop_grace_s=60)
         canceller.join(5)
+        cancelled_keys = _keys(srv.client("s3", srv.admin))
         second = run_train(None, url, launcher=RoleLauncher(log_dir=logs), resume=True,
                            poll_s=0.3, stop_grace_s=60)
         seconds = time.monotonic() - started
@@ -255,9 +262,8 @@ def role_run(server, tmp_path_factory) -> dict[str, Any]:
         logging.getLogger().removeHandler(warnings)
         patch.undo()
     admin = srv.client("s3", srv.admin)
-    keys = [obj["Key"] for page in admin.get_paginator("list_objects_v2").paginate(
-        Bucket=BUCKET, Prefix=f"{PREFIX}/{RUN}/") for obj in page.get("Contents", [])]
-    return {"first": first, "second": second, "keys": keys, "seconds": seconds,
+    return {"first": first, "second": second, "keys": _keys(admin), "seconds": seconds,
+            "cancelled_keys": cancelled_keys,
             "logs": {p.name: p.read_text(errors="replace") for p in logs.glob("*.log")},
             "warnings": warnings.lines, "admin": admin}
 
@@ -282,6 +288,10 @@ def test_a_run_with_each_party_on_its_own_credentials_finishes(role_run):
     assert layout.CANCEL not in keys and any(k.startswith("control/cancelled/") for k in keys)
     commits = [k for k in keys if re.fullmatch(r"global/frag/\d+/r\d+\.json", k)]
     assert len(commits) == 2, sorted(commits)  # keep_checkpoints=1, two fragments
+    # and the launcher's gc after the finished run: the workers' checkpoints, there
+    # when the run was cancelled, are gone
+    assert any("/ckpt/" in k for k in role_run["cancelled_keys"])
+    assert not [k for k in keys if "/ckpt/" in k]
 
 
 @pytest.mark.slow
@@ -289,7 +299,7 @@ def test_every_key_of_the_run_is_declared_and_only_its_owner_may_write_it(role_r
     _, documents, _ = server
     undeclared, wrong = [], []
     seen: set[str] = set()
-    for key in role_run["keys"]:
+    for key in sorted({*role_run["keys"], *role_run["cancelled_keys"]}):
         relative = key.split("/", 2)[2]  # runs/<run>/...
         try:
             pattern, owner = layout.declared(relative)
@@ -307,8 +317,7 @@ def test_every_key_of_the_run_is_declared_and_only_its_owner_may_write_it(role_r
     assert unused == {
         "frag/{fragment}/{round}/rejected/{worker}.json",  # no contribution was bad
         layout.member_status(layout.TRAIN),  # written when tracking lost something
-        layout.CANCEL,  # written, then withdrawn by the resume
-    }, unused
+    }, unused  # the cancel request is in the listing taken while the run was cancelled
     assert len(role_run["keys"]) > 100
 
 
@@ -341,8 +350,9 @@ def test_a_worker_is_refused_another_workers_keys_and_the_mean(role_run, server)
     # another's checkpoint it cannot delete, and is told so (s3fs's own rm would
     # drop the refusal of its quiet DeleteObjects): one key, then a whole prefix
     admin = role_run["admin"]
-    theirs = [k for k in role_run["keys"] if "/workers/region-b/ckpt/" in k]
+    theirs = [k for k in role_run["cancelled_keys"] if "/workers/region-b/ckpt/" in k]
     commit = next(k for k in theirs if k.endswith(".json")).split("/", 2)[2]
+    admin.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{RUN}/{commit}", Body=b"{}")  # gc took it
     with pytest.raises(PermissionError, match="AccessDenied"):
         store.delete(commit)
     with pytest.raises(PermissionError, match="AccessDenied"):

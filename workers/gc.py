@@ -279,3 +279,15 @@ def collect(exchange: Exchange, todo: Plan,
         if progress is not None:
             progress(d)
     return freed
+
+
+def after_run(exchange: Exchange, *, apply: bool = True) -> dict[str, object]:
+    """At the end of a finished run: gc by the run's retention (when ``apply``, i.e.
+    ``retention.after_run``), then the run's size, for the report."""
+    freed = 0
+    if apply:
+        todo = plan(exchange)
+        freed = collect(exchange, todo) if todo.deletions else 0
+    size = usage(exchange.store)
+    return {"bytes": size.total_bytes, "objects": size.total_objects,
+            "by_kind": size.as_dict(), "freed_bytes": freed}

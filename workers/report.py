@@ -17,6 +17,11 @@ from workers.status import read_all, read_status
 AGGREGATOR = layout.AGGREGATOR
 TRAIN = layout.TRAIN  # the train job's status: only its not-logged tracking counts
 
+#: What the aggregator's status counts of the bytes it moves (cumulative across its
+#: restarts); ``bytes_checkpoints`` is the part of ``bytes_up`` that is its canonical
+#: round checkpoints.
+TRAFFIC_KEYS = ("bytes_up", "bytes_down", "bytes_checkpoints")
+
 #: Per-worker columns of the final table: (key in the report, title).
 WORKER_COLUMNS = [
     ("worker", "worker"), ("state", "state"), ("steps", "steps"), ("tokens", "tokens"),
@@ -77,6 +82,7 @@ def build_report(exchange: Exchange, *, run_url: str, state: str, wall_seconds: 
     parties = {**snap["workers"], AGGREGATOR: agg,
                TRAIN: read_status(exchange.store, TRAIN) or {}}
     not_logged = {n: s["not_logged"] for n, s in parties.items() if s.get("not_logged")}
+    sized = parties[TRAIN].get("store_size")  # what gc left when the run finished
     return {
         "run_id": exchange.manifest.run_id, "run_url": run_url, "state": state,
         "message": message, "wall_seconds": wall_seconds, "workers": workers,
@@ -88,10 +94,25 @@ def build_report(exchange: Exchange, *, run_url: str, state: str, wall_seconds: 
             "rejected": agg.get("rejected", 0), "aggregator_state": agg.get("state"),
             **participation(agg, exchange.manifest.workers),
             "tokens": sum(w["tokens"] or 0 for w in workers),
-            "bytes_up": sum(w["bytes_up"] or 0 for w in workers),
-            "bytes_down": sum(w["bytes_down"] or 0 for w in workers),
+            **traffic_totals(workers, agg),
         },
+        "aggregator": {k: int(agg.get(k) or 0) for k in TRAFFIC_KEYS},
+        **({"store": sized} if sized else {}),
     }
+
+
+def traffic_totals(workers: list[dict[str, Any]], aggregator: dict[str, Any]) -> dict[str, int]:
+    """Every byte every party moved through the store: the workers' (``workers_``),
+    the aggregator's, of which its canonical checkpoints (``bytes_checkpoints``), and
+    their sums (``bytes_up``, ``bytes_down``, ``bytes_total``)."""
+    up = sum(w.get("bytes_up") or 0 for w in workers)
+    down = sum(w.get("bytes_down") or 0 for w in workers)
+    a_up, a_down = int(aggregator.get("bytes_up") or 0), int(aggregator.get("bytes_down") or 0)
+    return {"workers_bytes_up": up, "workers_bytes_down": down,
+            "aggregator_bytes_up": a_up, "aggregator_bytes_down": a_down,
+            "bytes_checkpoints": int(aggregator.get("bytes_checkpoints") or 0),
+            "bytes_up": up + a_up, "bytes_down": down + a_down,
+            "bytes_total": up + down + a_up + a_down}
 
 
 def table_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -102,10 +123,16 @@ def table_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     rows.append({
         "worker": "canonical (aggregator)", "state": g.get("aggregator_state") or "",
         "steps": f"{g['rounds']}/{g['total_rounds']} rounds",
-        "tokens": _cell(g["tokens"]), "bytes up": _cell(g["bytes_up"]),
-        "bytes down": _cell(g["bytes_down"]),
+        "tokens": _cell(g["tokens"]), "bytes up": _cell(g["aggregator_bytes_up"]),
+        "bytes down": _cell(g["aggregator_bytes_down"]),
         "wait s": f"participation {_percent(g['participation'])}",
-        "final loss": "", "eval loss": _cell(g["eval_loss"]),
+        "final loss": f"of which checkpoints {human_bytes(g['bytes_checkpoints'])}",
+        "eval loss": _cell(g["eval_loss"]),
+    })
+    rows.append({
+        "worker": "all parties", "state": "", "steps": "", "tokens": "",
+        "bytes up": _cell(g["bytes_up"]), "bytes down": _cell(g["bytes_down"]),
+        "wait s": "", "final loss": "", "eval loss": "",
     })
     return rows
 
@@ -144,4 +171,9 @@ def markdown(report: dict[str, Any]) -> str:
     return (f"**{report['run_id']}**: {report['state']} in "
             f"{human_seconds(report['wall_seconds'])}. Canonical model: eval loss {loss} "
             f"after {g['rounds']}/{g['total_rounds']} rounds, participation "
-            f"{_percent(g['participation'])}. Store: `{report['run_url']}`")
+            f"{_percent(g['participation'])}. Traffic through the store: "
+            f"{human_bytes(g['bytes_total'])} (workers {human_bytes(g['workers_bytes_up'])} up, "
+            f"{human_bytes(g['workers_bytes_down'])} down; aggregator "
+            f"{human_bytes(g['aggregator_bytes_up'])} up, of which canonical checkpoints "
+            f"{human_bytes(g['bytes_checkpoints'])}, {human_bytes(g['aggregator_bytes_down'])} "
+            f"down). Store: `{report['run_url']}`")
