@@ -337,24 +337,40 @@ def canonical_line(report: dict[str, Any], initial: float | None = None) -> str:
             f"participation {part}, {g['rejected']} rejected")
 
 
-def traffic_line(g: dict[str, Any]) -> str:
+def traffic_line(g: dict[str, Any]) -> list[str]:
     """Every byte every party moved through the store, the aggregator's checkpoints
-    named (they are most of what it sends)."""
-    return (f"traffic: {human_bytes(g.get('bytes_total'))} through the store; workers sent "
-            f"{human_bytes(g.get('workers_bytes_up'))}, received "
-            f"{human_bytes(g.get('workers_bytes_down'))}; the aggregator sent "
-            f"{human_bytes(g.get('aggregator_bytes_up'))} (canonical checkpoints "
-            f"{human_bytes(g.get('bytes_checkpoints'))}), received "
-            f"{human_bytes(g.get('aggregator_bytes_down'))}")
+    named (they are most of what it sends): the parts of one line (see `packed`)."""
+    return [f"traffic: {human_bytes(g.get('bytes_total'))} through the store;",
+            f"workers sent {human_bytes(g.get('workers_bytes_up'))},",
+            f"received {human_bytes(g.get('workers_bytes_down'))};",
+            f"the aggregator sent {human_bytes(g.get('aggregator_bytes_up'))}",
+            f"(canonical checkpoints {human_bytes(g.get('bytes_checkpoints'))}),",
+            f"received {human_bytes(g.get('aggregator_bytes_down'))}"]
 
 
-def store_line(store: dict[str, Any]) -> str:
-    """The run's size in the store, and what gc deleted when the run finished."""
-    kinds = ", ".join(f"{k} {human_bytes(v['bytes'])}" for k, v in
-                      (store.get("by_kind") or {}).items() if v.get("bytes"))
-    freed = store.get("freed_bytes")
-    gc_text = f"; gc deleted {human_bytes(freed)} it no longer needs" if freed else ""
-    return f"store: {human_bytes(store.get('bytes'))} ({kinds}){gc_text}"
+def store_line(store: dict[str, Any]) -> list[str]:
+    """The run's size in the store by kind, and what gc deleted when the run
+    finished: the parts of one line (see `packed`)."""
+    kinds = [(k, v["bytes"]) for k, v in (store.get("by_kind") or {}).items() if v.get("bytes")]
+    parts = [f"store: {human_bytes(store.get('bytes'))}"]
+    parts += [f"{'(' if i == 0 else ''}{k} {human_bytes(b)}{')' if i == len(kinds) - 1 else ','}"
+              for i, (k, b) in enumerate(kinds)]
+    if store.get("freed_bytes"):
+        parts[-1] += ";"
+        parts.append(f"gc deleted {human_bytes(store['freed_bytes'])} it no longer needs")
+    return parts
+
+
+def packed(console: Console, parts: Sequence[str]) -> str:
+    """``parts`` joined by spaces, broken into lines that fit ``console`` only
+    between parts, so that no figure is parted from its unit."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + 1 + len(part) <= console.width:
+            lines[-1] += " " + part
+        else:
+            lines.append(part if not lines else "  " + part)
+    return "\n".join(lines)
 
 
 def print_report(console: Console, report: dict[str, Any], *,
@@ -365,9 +381,11 @@ def print_report(console: Console, report: dict[str, Any], *,
     console.print(f"[bold {style}]{report['run_id']} {report['state']}[/]{took}")
     console.print(worker_table(report, console))
     console.print(canonical_line(report, initial_eval))
-    console.print(traffic_line(report["global"]))
+    console.print(packed(console, traffic_line(report["global"])), soft_wrap=True,
+                  highlight=False)
     if report.get("store"):
-        console.print(store_line(report["store"]))
+        console.print(packed(console, store_line(report["store"])), soft_wrap=True,
+                      highlight=False)
     if report.get("message"):
         console.print(report["message"])
     lost = report.get("not_logged") or {}
@@ -412,9 +430,12 @@ def print_status(console: Console, exchange: Exchange, run_url: str,
     console.print(fitted(console, STATUS_COLUMNS, rows))
     workers = [{"bytes_up": s.get("bytes_up"), "bytes_down": s.get("bytes_down")}
                for s in snap["workers"].values()]
-    console.print(traffic_line(traffic_totals(workers, a)))
+    console.print(packed(console, traffic_line(traffic_totals(workers, a))), soft_wrap=True,
+                  highlight=False)
     if usage is not None:
-        console.print(store_line({"bytes": usage.total_bytes, "by_kind": usage.as_dict()}))
+        console.print(packed(console, store_line({"bytes": usage.total_bytes,
+                                                  "by_kind": usage.as_dict()})),
+                      soft_wrap=True, highlight=False)
     for w, s in snap["workers"].items():
         waiting = s.get("waiting")
         if waiting and s.get("state") == "running":
@@ -431,6 +452,9 @@ def print_status(console: Console, exchange: Exchange, run_url: str,
                       f"{cancel.get('by')}: {cancel.get('reason')}")
     if launcher:
         jobs = launcher.get("jobs", {})
-        what = ", ".join(f"{n} pid {j['pid']}" if "pid" in j else f"{n} flow run {j['flow_run']}"
-                         for n, j in jobs.items())
-        console.print(f"launched ({launcher.get('backend')}) from {launcher.get('host')}: {what}")
+        what = [f"{n} pid {j['pid']}" if "pid" in j else f"{n} flow run {j['flow_run']}"
+                for n, j in jobs.items()]
+        what = [w + ("," if i < len(what) - 1 else "") for i, w in enumerate(what)]
+        console.print(packed(console, [f"launched ({launcher.get('backend')}) from "
+                                       f"{launcher.get('host')}:", *what]),
+                      soft_wrap=True, highlight=False)

@@ -278,3 +278,33 @@ def test_compare_fits_and_cuts_nothing(width, runs):
     figures = [f"1.6{i}00" for i in range(runs)] + ["2,457,600,000", "12,295.2x",
                                                    "12,217.0 s", "all-reduce formula"]
     assert_fits(lines, width, [r.run for r in rows] + figures)
+
+
+def test_traffic_and_store_lines_break_between_figures_never_inside_one():
+    """The traffic and store lines of the final report and ``diloco status``: at 80
+    columns every line fits, and each figure stays on one line with its unit."""
+    import re
+
+    from rich.console import Console
+
+    from cli.progress import packed, store_line, traffic_line
+    from workers.report import traffic_totals
+
+    console = Console(width=80, record=True)
+    g = traffic_totals([{"bytes_up": 31_400_000, "bytes_down": 87_200_000}] * 2,
+                       {"bytes_up": 266_600_000, "bytes_down": 44_500_000,
+                        "bytes_checkpoints": 236_100_000})
+    sized = {"bytes": 87_500_000, "freed_bytes": 182_100_000, "by_kind": {
+        k: {"bytes": 12_345_678} for k in ("canonical checkpoints", "contributions", "means",
+                                           "initial parameters", "data", "records")}}
+    for parts in (traffic_line(g), store_line(sized)):
+        console.print(packed(console, parts), soft_wrap=True)
+    text = console.export_text()
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines), lines
+    assert not any(re.match(r"\s*(B|kB|MB|GB)\b", line) for line in lines), lines
+    flat = " ".join(text.split())
+    assert "workers sent 62.8 MB, received 174.4 MB" in flat, flat
+    assert "the aggregator sent 266.6 MB (canonical checkpoints 236.1 MB)" in flat, flat
+    assert "traffic: 548.3 MB through the store" in flat, flat  # 62.8+174.4+266.6+44.5
+    assert "gc deleted 182.1 MB it no longer needs" in " ".join(text.split())
