@@ -56,7 +56,50 @@ def progress_for(console: Console) -> Callable[..., Any]:
     return PlainProgress
 
 
-class LiveProgress:
+class _Polling:
+    """Reads the run's status board every ``interval`` seconds in a thread, and once
+    more on exit; subclasses say what to show in `refresh` (and may add to
+    `_started` / `_stopped`)."""
+
+    def __init__(self, open_exchange: Any, console: Console, interval: float, name: str):
+        """``open_exchange()`` returns the run's Exchange (raises until it exists)."""
+        self.open_exchange = open_exchange
+        self.console = console
+        self.interval = interval
+        self._exchange: Exchange | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def refresh(self) -> None:  # pragma: no cover - every subclass has its own
+        raise NotImplementedError
+
+    def _started(self) -> None:
+        """Before the thread starts."""
+
+    def _stopped(self) -> None:
+        """After the last refresh."""
+
+    def __enter__(self) -> _Polling:
+        self._started()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with contextlib.suppress(Exception):  # the run may not exist (an error before it)
+            self.refresh()
+        self._stopped()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - not created yet, or a store hiccup
+                continue
+
+
+class LiveProgress(_Polling):
     """A progress bar per worker and the aggregator's rounds, from the store.
 
     Each refresh fits the line to the console: the bar takes what the name, the
@@ -65,10 +108,7 @@ class LiveProgress:
     (its duration stays), then the bar, then the time. The figures are never cut."""
 
     def __init__(self, open_exchange: Any, console: Console, interval: float = 1.0):
-        """``open_exchange()`` returns the run's Exchange (raises until it exists)."""
-        self.open_exchange = open_exchange
-        self.console = console
-        self.interval = interval
+        super().__init__(open_exchange, console, interval, "live-progress")
         self.bar = BarColumn(bar_width=BAR_MAX)
         self.name = TextColumn("{task.description:<12}", table_column=Column(no_wrap=True))
         self.count = MofNCompleteColumn(table_column=Column(no_wrap=True))
@@ -80,29 +120,13 @@ class LiveProgress:
             refresh_per_second=2,
         )
         self.tasks: dict[str, Any] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="live-progress", daemon=True)
-        self._exchange: Exchange | None = None
         self._waiting = self.progress.add_task("preparing", total=None, info="creating the run")
 
-    def __enter__(self) -> LiveProgress:
+    def _started(self) -> None:
         self.progress.start()
-        self._thread.start()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        with contextlib.suppress(Exception):  # the run may not exist (an error before it)
-            self.refresh()
+    def _stopped(self) -> None:
         self.progress.stop()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.refresh()
-            except Exception:  # noqa: BLE001 - not created yet, or a store hiccup
-                continue
 
     def refresh(self) -> None:
         if self._exchange is None:
@@ -157,7 +181,7 @@ class LiveProgress:
         return False
 
 
-class PlainProgress:
+class PlainProgress(_Polling):
     """Plain lines as the run goes, for a pipe, a log file or CI: one per round the
     aggregator applies, per new eval loss and per change of a party's state (no
     bars, no line that repeats). Reads the store as `LiveProgress` does.
@@ -171,34 +195,12 @@ class PlainProgress:
     """
 
     def __init__(self, open_exchange: Any, console: Console, interval: float = 1.0):
-        self.open_exchange = open_exchange
-        self.console = console
-        self.interval = interval
-        self._exchange: Exchange | None = None
-        self._stop = threading.Event()
+        super().__init__(open_exchange, console, interval, "plain-progress")
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="plain-progress", daemon=True)
         self._rounds = 0
         self._evals: dict[str, Any] = {}
         self._states: dict[str, str] = {}
         self._stalled: str | None = None
-
-    def __enter__(self) -> PlainProgress:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        with contextlib.suppress(Exception):  # the run may not exist (an error before it)
-            self.refresh()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.refresh()
-            except Exception:  # noqa: BLE001 - not created yet, or a store hiccup
-                continue
 
     def say(self, line: str) -> None:
         self.console.print(line, markup=False, highlight=False, soft_wrap=True)
