@@ -58,8 +58,8 @@ def progress_for(console: Console) -> Callable[..., Any]:
 
 class _Polling:
     """Reads the run's status board every ``interval`` seconds in a thread, and once
-    more on exit; subclasses say what to show in `refresh` (and may add to
-    `_started` / `_stopped`)."""
+    more on exit; a subclass defines ``refresh()`` (read once, show what changed)
+    and may add to `_started` / `_stopped`."""
 
     def __init__(self, open_exchange: Any, console: Console, interval: float, name: str):
         """``open_exchange()`` returns the run's Exchange (raises until it exists)."""
@@ -69,9 +69,6 @@ class _Polling:
         self._exchange: Exchange | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-
-    def refresh(self) -> None:  # pragma: no cover - every subclass has its own
-        raise NotImplementedError
 
     def _started(self) -> None:
         """Before the thread starts."""
@@ -88,13 +85,13 @@ class _Polling:
         self._stop.set()
         self._thread.join(timeout=5)
         with contextlib.suppress(Exception):  # the run may not exist (an error before it)
-            self.refresh()
+            self.refresh()  # type: ignore[attr-defined]
         self._stopped()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self.refresh()
+                self.refresh()  # type: ignore[attr-defined] - the subclass's
             except Exception:  # noqa: BLE001 - not created yet, or a store hiccup
                 continue
 

@@ -127,7 +127,6 @@ def run_train(
     if snap["aggregator"].get("state") != "finished":
         todo.insert(0, AGGREGATOR)
     state, message = "finished", ""
-    sized: dict[str, Any] | None = None
     try:
         if todo:
             if AGGREGATOR in todo:
@@ -140,7 +139,7 @@ def run_train(
                 exchange, store, launcher, run_url, on_progress, poll_s=poll_s,
                 stop_grace_s=stop_grace_s, restarts=restarts)
             if state == "finished":
-                sized = stage("gc", _collect)(exchange, config.retention.after_run)
+                stage("gc", _collect)(exchange, config.retention.after_run)
         elif on_progress:
             on_progress(snapshot(exchange))
     except BaseException as exc:  # an error, Ctrl-C, SIGTERM (Prefect's TerminationSignal)
@@ -159,8 +158,6 @@ def run_train(
         report = (plain if raised else stage)("report", build_report)(
             exchange, run_url=run_url, state=state,
             wall_seconds=time.monotonic() - start, message=message)
-        if sized is not None:
-            report["store"] = sized
         hooks.run_finished(report)
         lost = close_hooks(hooks)
         if lost:
