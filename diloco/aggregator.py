@@ -1,22 +1,26 @@
 """The aggregator: reduce the workers' outer gradients and step the canonical model.
 
 For each fragment, round after round: list the committed contributions, wait for
-every worker (or, once ``deadline_s`` has passed since the first one arrived, for a
-quorum), fetch and verify each (a corrupt, partial, non-finite or wrong-shaped one
-is rejected, recorded and never applied), take the token-weighted float32 mean,
-publish it encoded (with the aggregator's own error feedback), apply the outer step
-with the decoded published mean, and checkpoint the canonical state.
+the members it expects (`diloco.membership.Roster`: admitted, holding a live lease,
+not left) or, once a quorum is in, for an adaptive grace window
+(`diloco.grace.Grace`); fetch and verify each (a corrupt, partial, non-finite or
+wrong-shaped one is rejected, recorded and never applied); take the token-weighted
+float32 mean, together with the late contributions of earlier rounds of the
+fragment (each applied exactly once, or dropped past ``max_staleness``); publish it
+encoded (with the aggregator's own error feedback) with the decision recorded in its
+commit (expected, participants, late, dropped, owed); apply the outer step with the
+decoded published mean, and checkpoint the canonical state.
 
 All state is in the store. Killed at any point and restarted, the aggregator loads
 each fragment's newest checkpoint and replays later rounds from their committed
-means, reaching the same bits. Two aggregators on one run race only on create-only
-commits: one mean per (fragment, round); the loser adopts the winner's mean.
+means, reaching the same bits; what late contributions are still owed is read from
+the newest commit. Two aggregators on one run race only on create-only commits: one
+mean per (fragment, round); the loser adopts the winner's mean.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +31,8 @@ import numpy as np
 import torch
 
 from diloco.config import SyncConfig
+from diloco.gate import Gate, Inbox, parse_key
+from diloco.membership import Roster
 from diloco.outer import OuterState
 from diloco.run import latest_global, load_initial
 from storage import layout
@@ -53,6 +59,9 @@ class RoundReport:
     adopted: bool
     seconds: float
     grad_norm: float
+    late: int = 0  # contributions of earlier rounds applied in this mean
+    dropped: int = 0  # contributions dropped as too stale
+    expected: int = 0  # members the round waited for
 
 
 @dataclass
@@ -73,24 +82,11 @@ class Stall:
 
 
 @dataclass
-class Inbox:
-    """The contributions of one (fragment, round) read so far, each verified once:
-    the usable ones with their tokens and norm, and the rejected ones with why."""
-
-    values: dict[str, np.ndarray] = field(default_factory=dict)
-    tokens: dict[str, int] = field(default_factory=dict)
-    norms: dict[str, float] = field(default_factory=dict)
-    rejected: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def arrived(self) -> set[str]:
-        return set(self.values) | set(self.rejected)
-
-
-@dataclass
 class AggregatorStats:
     rounds: list[RoundReport] = field(default_factory=list)
     rejected: int = 0
+    late: int = 0
+    dropped: int = 0
 
 
 class Aggregator:
@@ -106,11 +102,13 @@ class Aggregator:
         on_round: Callable[[RoundReport], None] | None = None,
         on_stall: Callable[[list[Stall]], None] | None = None,
         keep_checkpoints: int = 0,
+        slots: int | None = None,
     ):
         """``keep_checkpoints``: round checkpoints of the canonical state kept per
         fragment (0 keeps all). Each is the fragment's float32 parameters and
         momentum, so a long run of a large model needs a bound; resuming reads only
-        the newest."""
+        the newest. ``slots``: the run's data slots, one per member (default: twice
+        the manifest's workers)."""
         layout.check_name("aggregator", name)
         if keep_checkpoints < 0:
             raise ValueError(f"keep_checkpoints must be >= 0 (0 keeps all), got {keep_checkpoints}")
@@ -125,14 +123,10 @@ class Aggregator:
         #: ``stall_after_s`` (again every ``stall_after_s``), and [] when one is again
         self.on_stall = on_stall
         self.stats = AggregatorStats()
-        self.workers = list(self.manifest.workers)
-        self.quorum = max(1, math.ceil(self.config.quorum * len(self.workers)))
+        self.roster = Roster(exchange.store, self.manifest, lease_s=self.config.lease_s,
+                             slots=slots or 2 * len(self.manifest.workers))
+        self.gate = Gate(exchange, self.config, self.roster, name)
         self.feedback = self.config.feedback(self.manifest.codec_down.name)
-        self._first_seen: dict[tuple[int, int], float] = {}
-        self._inbox: dict[tuple[int, int], Inbox] = {}
-        #: workers a round was reduced without after its deadline; later rounds wait
-        #: for them only ``absent_deadline_s``, until one of theirs arrives in time
-        self.absent: set[str] = set()
         self._norms: dict[tuple[int, int], list[float]] = {}
         self._progress_at = time.monotonic()
         self._progress_wall = _utc_now()
@@ -163,6 +157,7 @@ class Aggregator:
                 if "residual" in arrays:
                     residual = torch.from_numpy(arrays["residual"].copy())
                 self.next_round.append(latest[0] + 1)
+                self.gate.restore(p, self.exchange.mean_commit(p, latest[0]))
                 log.info("aggregator %s: fragment %d resumes at round %d",
                          self.name, p, latest[0] + 1)
             self.outer.append(state)
@@ -213,6 +208,7 @@ class Aggregator:
     def poll_once(self) -> bool:
         """Try to complete the next round of every fragment; True if any progressed."""
         progressed = False
+        self.roster.refresh()  # admits joiners, renews leases (rate-limited)
         for p in range(len(self.outer)):
             while self.next_round[p] < self.manifest.rounds[p] and self._try_round(p):
                 progressed = True
@@ -234,7 +230,7 @@ class Aggregator:
             return
         self._stall_reported = now
         self.stalled = [
-            Stall(p, r, sorted(set(self.workers) - self._inbox_of(p, r).arrived),
+            Stall(p, r, sorted(self.gate.expected(p, r) - self.gate.inbox(p, r).arrived),
                   self._progress_wall, waited)
             for p, r in enumerate(self.next_round) if r < self.manifest.rounds[p]
         ]
@@ -244,29 +240,35 @@ class Aggregator:
             self.on_stall(list(self.stalled))
 
     # -- one round -----------------------------------------------------------------
-    def _inbox_of(self, p: int, r: int) -> Inbox:
-        return self._inbox.setdefault((p, r), Inbox())
-
     def _collect(self, p: int, r: int, committed: list[str]) -> Inbox:
         """Read and verify the contributions of (p, r) committed since the last poll:
-        a bad one is rejected (and the reason recorded) as soon as it is seen."""
-        inbox = self._inbox_of(p, r)
+        a bad one is rejected (and the reason recorded) as soon as it is seen. Any
+        member's contribution counts, expected or not (a returning worker's)."""
+        inbox = self.gate.inbox(p, r)
         for w in committed:
-            if w not in self.workers or w in inbox.arrived:
+            if w in inbox.arrived or not self.roster.takes_part(w, p, r):
                 continue
-            try:
-                value, commit = self.exchange.fetch_delta(p, r, w)
-                norm = float(np.linalg.norm(value.astype(np.float64)))
-                self._guard(p, r, w, norm)
-            except BAD_CONTRIBUTION as exc:  # anything else (the store down) propagates
-                inbox.rejected[w] = f"{type(exc).__name__}: {exc}"
-                log.warning("aggregator %s: rejected %s", self.name, exc)
-                self.exchange.record_rejection(p, r, w, inbox.rejected[w])
-                continue
-            inbox.values[w] = value
-            inbox.tokens[w] = int(commit.get("tokens", 0))
-            inbox.norms[w] = norm
+            got = self._fetch(p, r, w, inbox.rejected)
+            if got is not None:
+                inbox.values[w], inbox.tokens[w], inbox.norms[w] = got
+            inbox.last = time.monotonic()
         return inbox
+
+    def _fetch(self, p: int, k: int, w: str,
+               rejected: dict[str, str], key: str | None = None
+               ) -> tuple[np.ndarray, int, float] | None:
+        """One contribution, verified and guarded; None (and a recorded rejection)
+        when it is bad."""
+        try:
+            value, commit = self.exchange.fetch_delta(p, k, w)
+            norm = float(np.linalg.norm(value.astype(np.float64)))
+            self._guard(p, k, w, norm)
+        except BAD_CONTRIBUTION as exc:  # anything else (the store down) propagates
+            rejected[key or w] = f"{type(exc).__name__}: {exc}"
+            log.warning("aggregator %s: rejected %s", self.name, exc)
+            self.exchange.record_rejection(p, k, w, rejected[key or w])
+            return None
+        return value, int(commit.get("tokens", 0)), norm
 
     def _guard(self, p: int, r: int, worker: str, norm: float) -> None:
         """The norm guard: a contribution far above the recent accepted ones of this
@@ -295,34 +297,6 @@ class Aggregator:
             self._norms[(p, k)] = [float(v) for v in (commit.get("norms") or {}).values()]
         return self._norms[(p, k)]
 
-    def _ready(self, p: int, r: int) -> Inbox | None:
-        """The round's inbox when it is to be reduced now, or None to keep waiting.
-
-        Every worker in (usable or rejected): now. Otherwise, once the deadline has
-        passed since the first arrival, and at least ``quorum`` workers are in; the
-        deadline of a round that misses only absent workers is ``absent_deadline_s``."""
-        committed = self.exchange.committed_workers(p, r)
-        if not committed:
-            return None
-        inbox = self._collect(p, r, committed)
-        first = self._first_seen.setdefault((p, r), time.monotonic())
-        missing = set(self.workers) - inbox.arrived
-        if not missing:
-            self.absent -= inbox.arrived
-            return inbox
-        deadline = self.config.deadline_s
-        if missing <= self.absent:
-            deadline = min(deadline, self.config.absent_deadline_s)
-        if time.monotonic() - first < deadline or len(inbox.arrived) < self.quorum:
-            return None
-        log.warning(
-            "aggregator %s: fragment %d round %d: deadline passed, reducing %d of %d "
-            "workers (missing %s)", self.name, p, r, len(inbox.arrived), len(self.workers),
-            sorted(missing),
-        )
-        self.absent = (self.absent - inbox.arrived) | missing
-        return inbox
-
     def _mean(self, p: int, values: dict[str, np.ndarray],
               weights: dict[str, float]) -> torch.Tensor:
         """The weighted float32 mean of ``values`` (zeros when there are none)."""
@@ -345,10 +319,16 @@ class Aggregator:
         adopted = commit is not None
         rejected: dict[str, str] = {}
         x = mean = None
+        inbox = None
         if commit is None:
-            inbox = self._ready(p, r)
-            if inbox is None:
+            committed = self.exchange.committed_workers(p, r)
+            if not committed:
                 return False
+            inbox = self._collect(p, r, committed)
+            if not self.gate.ready(p, r, inbox):
+                return False
+            owed_before = set(self.gate.owed[p])
+            late, dropped, absent = self.gate.settle(p, r, inbox, self._fetch)
             rejected = dict(inbox.rejected)
             self.stats.rejected += len(rejected)
             weights = self._weights(inbox.tokens)
@@ -356,17 +336,27 @@ class Aggregator:
             x = self._with_residual(p, acc) if weights else acc
             published = self.exchange.publish_mean(
                 p, r, self.name, x.numpy(), weights=weights,
-                extra={"rejected": rejected, "participants": sorted(weights),
+                extra={"rejected": rejected,
+                       "participants": sorted(w for w in weights if "@" not in w),
+                       "expected": sorted(inbox.expected),
+                       "late": late, "dropped": dropped, "absent": absent,
+                       "owed": sorted([w, k] for w, k in self.gate.owed[p]),
+                       "grace_s": round(self.gate.grace.seconds(), 3),
                        "norms": {w: inbox.norms[w] for w in sorted(weights)}},
             )
             self.fault("published", p, r)
             if published.created:
                 mean = torch.from_numpy(np.asarray(published.decoded))
             else:
+                self.gate.owed[p] = owed_before
                 adopted, commit = True, published.commit
         if adopted:
             mean, x = self._replay(p, r, commit)
             weights = commit["weights"]
+            self.gate.restore(p, commit)
+            late, dropped = commit.get("late", []), commit.get("dropped", [])
+        self.stats.late += len(late)
+        self.stats.dropped += len(dropped)
         if weights:
             if self.feedback:
                 self.residual[p] = x - mean
@@ -379,16 +369,20 @@ class Aggregator:
         self._checkpoint(p, r, weights)
         self.fault("checkpointed", p, r)
         self.next_round[p] = r + 1
-        self._inbox.pop((p, r), None)
+        self.gate.reduced(p, r, None if adopted else inbox)
         self._norms[(p, r)] = [float(v) for v in (commit or {}).get("norms", {}).values()] \
             if adopted else [inbox.norms[w] for w in sorted(weights)]
         report = RoundReport(p, r, dict(weights), rejected, adopted,
-                             time.perf_counter() - start, grad_norm)
+                             time.perf_counter() - start, grad_norm,
+                             late=len(late), dropped=len(dropped),
+                             expected=len(commit.get("expected", [])) if adopted
+                             else len(inbox.expected))
         self.stats.rounds.append(report)
         if self.on_round is not None:
             self.on_round(report)
-        log.info("aggregator %s: fragment %d round %d applied (%d workers%s)", self.name, p, r,
-                 len(weights), ", adopted" if adopted else "")
+        log.info("aggregator %s: fragment %d round %d applied (%d contributions%s%s)", self.name,
+                 p, r, len(weights), f", {len(late)} late" if late else "",
+                 ", adopted" if adopted else "")
         return True
 
     def _replay(self, p: int, r: int, commit: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,8 +396,9 @@ class Aggregator:
         if not self.feedback or not weights:
             return mean, mean
         values = {}
-        for w in sorted(weights):  # a contribution the committed mean used must be readable
-            values[w] = self.exchange.fetch_delta(p, r, w)[0]
+        for key in sorted(weights):  # a contribution the committed mean used must be readable
+            w, k = parse_key(key, r)
+            values[key] = self.exchange.fetch_delta(p, k, w)[0]
         return mean, self._with_residual(p, self._mean(p, values, weights))
 
     def _with_residual(self, p: int, acc: torch.Tensor) -> torch.Tensor:

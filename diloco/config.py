@@ -68,14 +68,39 @@ class SyncConfig(BaseModel):
     )
     quorum: float = Field(
         default=0.5,
-        description="share of the workers a round needs after the deadline (at least one)",
+        description="share of the expected members a round needs before it may go on without "
+        "the rest (at least min_quorum)",
     )
     deadline_s: float = Field(
-        default=600.0, description="seconds the aggregator waits for every worker"
+        default=600.0,
+        description="longest wait for the rest, from a round's first contribution, once a "
+        "quorum is in (the grace window is usually shorter)",
     )
     absent_deadline_s: float = Field(
         default=30.0,
         description="seconds the aggregator waits for a worker that missed an earlier deadline",
+    )
+    min_quorum: int = Field(
+        default=1, description="members a round needs at least before it may go on without "
+        "the rest"
+    )
+    grace_s: float | None = Field(
+        default=None,
+        description="seconds the aggregator waits for the rest once a quorum is in; "
+        "None: adaptive (from the arrival spread of recent rounds, within "
+        "grace_min_s..grace_max_s)",
+    )
+    grace_min_s: float = Field(default=0.5, description="shortest adaptive grace window")
+    grace_max_s: float = Field(default=60.0, description="longest adaptive grace window")
+    max_staleness: int = Field(
+        default=2,
+        description="rounds a late contribution may be behind and still be applied (in the "
+        "next mean of its fragment); a worker further behind heals to the canonical state",
+    )
+    lease_s: float = Field(
+        default=120.0,
+        description="seconds a member's lease lasts without a renewal (its status); after "
+        "that the aggregator stops expecting it until it returns",
     )
     stall_after_s: float = Field(
         default=60.0, description="seconds without an applied round before a stall is reported"
@@ -138,7 +163,18 @@ class SyncConfig(BaseModel):
         for name in ("deadline_s", "absent_deadline_s", "norm_guard"):
             if not getattr(self, name) >= 0:  # also rejects NaN
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("stall_after_s", "outage_s"):
+        if self.min_quorum < 1:
+            raise ValueError(f"min_quorum must be >= 1, got {self.min_quorum}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.grace_s is not None and not self.grace_s >= 0:
+            raise ValueError(f"grace_s must be >= 0 or null (adaptive), got {self.grace_s}")
+        if not 0 <= self.grace_min_s <= self.grace_max_s:
+            raise ValueError(
+                f"grace_min_s must be in [0, grace_max_s = {self.grace_max_s}], "
+                f"got {self.grace_min_s}"
+            )
+        for name in ("stall_after_s", "outage_s", "lease_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if 0 < self.norm_guard < 1.0:  # below 1 it would reject the median itself

@@ -11,6 +11,7 @@
     members/train/status.json                    the train job's status
     control/cancel.json                          a cancel request (deleted on resume)
     control/cancelled/{time}.json                requests withdrawn by a resume
+    control/leave/{worker}.json                  ``diloco leave``: a worker is asked to leave
 
     aggregator
     frag/{p}/r{round}/mean/{writer}/{nonce}/     a mean (zarr array)
@@ -18,11 +19,13 @@
     frag/{p}/r{round}/rejected/{worker}.json     why a contribution was not used
     global/frag/{p}/r{round}.json, .../r{round}/ canonical state after a round (pruned)
     members/aggregator.json, members/aggregator/status.json
+    members/{worker}/admission.json              a joiner admitted: its data slot (create-only)
 
     worker:<name>  (each worker only its own keys)
     frag/{p}/r{round}/delta/{worker}/{nonce}/    its outer gradient (zarr array)
     frag/{p}/r{round}/commits/{worker}.json      its commit record (create-only)
-    members/{worker}.json, members/{worker}/status.json
+    members/{worker}.json, members/{worker}/status.json   membership record; status = lease
+    members/{worker}/left.json                   it left: its last round per fragment
     workers/{worker}/ckpt/{step}.json, .../{step}/  its checkpoints (pruned)
 
     viewer    reads everything, writes nothing
@@ -140,6 +143,21 @@ def member_status(name: str) -> str:
     return f"members/{name}/status.json"
 
 
+def admission(worker: str) -> str:
+    """The aggregator's admission of a worker that joined mid-run (its data slot)."""
+    return f"members/{worker}/admission.json"
+
+
+def left(worker: str) -> str:
+    """A worker's record that it left the run, with its last round per fragment."""
+    return f"members/{worker}/left.json"
+
+
+def leave_request(worker: str) -> str:
+    """``diloco leave``: the request that a worker finish its round and leave."""
+    return f"control/leave/{worker}.json"
+
+
 def cancelled(stamp: str) -> str:
     """Where ``diloco resume`` keeps a cancel request it withdrew."""
     return f"control/cancelled/{stamp}.json"
@@ -244,6 +262,7 @@ KEYS: tuple[KeyPattern, ...] = (
     KeyPattern(member_status(TRAIN), LAUNCHER, "the train job's status"),
     KeyPattern(CANCEL, LAUNCHER, "a cancel request", prunes=True),
     KeyPattern(cancelled("{stamp}"), LAUNCHER, "a withdrawn cancel request"),
+    KeyPattern(leave_request("{worker}"), LAUNCHER, "a request that a worker leave"),
     KeyPattern("frag/{fragment}/{round}/mean/{writer}/{nonce}/{path}", AGGREGATOR,
                "a mean", collected=True),
     KeyPattern("frag/{fragment}/{round}/mean.json", AGGREGATOR, "the commit of a mean"),
@@ -255,12 +274,14 @@ KEYS: tuple[KeyPattern, ...] = (
                "canonical state after a round", prunes=True, collected=True),
     KeyPattern(member(AGGREGATOR), AGGREGATOR, "the aggregator's registration"),
     KeyPattern(member_status(AGGREGATOR), AGGREGATOR, "the aggregator's status"),
+    KeyPattern(admission("{worker}"), AGGREGATOR, "a joiner's admission (its data slot)"),
     KeyPattern("frag/{fragment}/{round}/delta/{worker}/{nonce}/{path}", WORKER,
                "an outer gradient", collected=True),
     KeyPattern("frag/{fragment}/{round}/commits/{worker}.json", WORKER,
                "the commit of an outer gradient"),
     KeyPattern(member("{worker}"), WORKER, "a worker's registration"),
-    KeyPattern(member_status("{worker}"), WORKER, "a worker's status"),
+    KeyPattern(member_status("{worker}"), WORKER, "a worker's status (its lease)"),
+    KeyPattern(left("{worker}"), WORKER, "a worker's record that it left"),
     KeyPattern("workers/{worker}/ckpt/{step}.json", WORKER, "a checkpoint: commit",
                prunes=True, collected=True),
     KeyPattern("workers/{worker}/ckpt/{step}/{path}", WORKER, "a checkpoint", prunes=True,

@@ -72,6 +72,9 @@ def test_every_key_the_layout_builds_is_declared_once_with_its_writer():
         layout.member_status(layout.TRAIN): "launcher",
         layout.CANCEL: "launcher",
         layout.cancelled("20260101T000000Z"): "launcher",
+        layout.leave_request("eu"): "launcher",
+        layout.admission("eu"): "aggregator",
+        layout.left("eu"): "worker:eu",
         layout.mean_payload(2, 13, "aggregator", "5f0c") + "/c/0": "aggregator",
         layout.mean_commit(2, 13): "aggregator",
         layout.rejected(2, 13, "eu"): "aggregator",
@@ -316,7 +319,10 @@ def test_every_key_of_the_run_is_declared_and_only_its_owner_may_write_it(role_r
     unused = {p.template for p in layout.KEYS} - seen
     # (the cancel request is in the listing taken while the run was cancelled; the
     # train job's status holds the run's size after gc)
-    assert unused == {"frag/{fragment}/{round}/rejected/{worker}.json"}, unused  # none bad
+    # no contribution was bad, and no worker joined or left (tests/test_elastic.py)
+    assert unused == {"frag/{fragment}/{round}/rejected/{worker}.json",
+                      "control/leave/{worker}.json", "members/{worker}/admission.json",
+                      "members/{worker}/left.json"}, unused
     assert len(role_run["keys"]) > 100
 
 

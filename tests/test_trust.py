@@ -259,14 +259,14 @@ def test_a_dead_worker_costs_one_deadline_then_rounds_go_on_without_it():
     assert not agg.poll_once()
     time.sleep(0.25)
     assert agg.poll_once()
-    assert agg.absent == {"w1"}
+    assert agg.gate.absent == {"w1"}
     ex.publish_delta(0, 1, "w0", vec(ex, 0.1), tokens=10)
     assert agg.poll_once()  # no deadline wait: w1 is absent
     for w in ("w0", "w1"):
         ex.publish_delta(0, 2, w, vec(ex, 0.1), tokens=10)
     assert agg.poll_once()
     assert sorted(ex.fetch_mean(0, 2)[1]["weights"]) == ["w0", "w1"]
-    assert agg.absent == set()
+    assert agg.gate.absent == set()
 
 
 def test_diloco_status_shows_a_stall(tmp_path, monkeypatch):

@@ -85,6 +85,29 @@ class DataConfig(_Strict):
     split: Literal["even", "by_file"] = "even"
     seq_len: int = Field(default=128, ge=2)
     batch_size: int = Field(default=16, ge=1, description="sequences per inner step per worker")
+    worker_batch_size: dict[str, int] = Field(
+        default_factory=dict,
+        description="batch_size of named workers (heterogeneous GPUs); means weigh by tokens",
+    )
+    slots: int = Field(
+        default=0, ge=0,
+        description="equal shares the train tokens are cut into, one per member; 0: twice "
+        "the workers (split even, leaving room for as many joiners) or the workers (by_file)",
+    )
+
+    @field_validator("worker_batch_size")
+    @classmethod
+    def _positive_batches(cls, sizes: dict[str, int]) -> dict[str, int]:
+        for name, size in sizes.items():
+            if size < 1:
+                raise ValueError(f"worker_batch_size.{name} must be >= 1, got {size}")
+        return sizes
+
+    def slot_count(self, workers: int) -> int:
+        """The number of data slots of a run created with ``workers`` workers."""
+        if self.slots:
+            return self.slots
+        return 2 * workers if self.split == "even" else workers
 
     @field_validator("dataset")
     @classmethod
@@ -195,6 +218,11 @@ class RunConfig(_Strict):
                 layout.check_name("worker", name)
             except ValueError as exc:
                 raise ValueError(f"workers: {exc}") from None
+        if self.data.slots and self.data.slots < len(self.workers):
+            raise ValueError(
+                f"data.slots = {self.data.slots} is below the {len(self.workers)} workers: "
+                "every member holds one slot (0: automatic)"
+            )
         model = self.model.resolve()
         if self.data.seq_len > model.max_seq_len:
             raise ValueError(

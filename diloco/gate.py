@@ -1,0 +1,182 @@
+"""When the aggregator reduces a round, and what it owes to the members that missed one.
+
+The aggregator (`diloco.aggregator`) asks the gate, for each open (fragment, round),
+whether to reduce now: every expected member is in, or a quorum is in and the grace
+window (`diloco.grace`) has passed. Who is expected comes from the roster
+(`diloco.membership`). A member whose contribution is not in the reduced round is
+*owed*: if its contribution is committed within ``max_staleness`` rounds it joins the
+next mean of that fragment (weighted by its tokens, under the key ``worker@round``),
+exactly once; past that bound it is dropped (``stale``) or, never committed, recorded
+``absent``. What is still owed is written into every mean's commit, so a restarted
+aggregator continues the same bookkeeping and an audit can account for every
+contribution.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from diloco.config import SyncConfig
+from diloco.grace import Grace
+from diloco.membership import Roster
+from diloco.schedule import Schedule
+from storage.exchange import Exchange
+
+log = logging.getLogger(__name__)
+
+#: (fragment, round, worker, rejected, key) -> (value, tokens, norm), or None if bad
+Fetch = Callable[[int, int, str, dict[str, str], str], "tuple[np.ndarray, int, float] | None"]
+
+
+@dataclass
+class Inbox:
+    """The contributions of one (fragment, round) read so far, each verified once:
+    the usable ones with their tokens and norm, and the rejected ones with why."""
+
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    norms: dict[str, float] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+    expected: set[str] = field(default_factory=set)
+    first: float = 0.0  # the aggregator's clock at the first arrival
+    quorum_at: float | None = None  # ... when the quorum was in
+    last: float = 0.0  # ... at the newest arrival
+
+    @property
+    def arrived(self) -> set[str]:
+        return {k for k in set(self.values) | set(self.rejected) if "@" not in k}
+
+
+def late_key(worker: str, round: int) -> str:
+    """The weight key of a contribution applied late (in a later round's mean)."""
+    return f"{worker}@{round}"
+
+
+def parse_key(key: str, round: int) -> tuple[str, int]:
+    """(worker, round) of a weight key: ``w`` is round ``round``'s own, ``w@k`` late."""
+    worker, _, k = key.partition("@")
+    return worker, int(k) if k else round
+
+
+class Gate:
+    """The aggregator's waiting policy and late-contribution bookkeeping."""
+
+    def __init__(self, exchange: Exchange, config: SyncConfig, roster: Roster, name: str):
+        self.exchange, self.config, self.roster, self.name = exchange, config, roster, name
+        self.manifest = exchange.manifest
+        self.grace = Grace(config)
+        self.schedule = Schedule(config.sync_every, config.fragments, config.send_offset)
+        self.inboxes: dict[tuple[int, int], Inbox] = {}
+        #: per fragment: (worker, round) contributions that missed their round and may
+        #: still be applied late (from the newest commit, so a restart keeps them)
+        self.owed: list[set[tuple[str, int]]] = [set() for _ in self.manifest.fragments]
+        #: members a round was reduced without; later rounds wait for them only
+        #: ``absent_deadline_s``, until one of theirs arrives in time
+        self.absent: set[str] = set()
+        self._mean_at: dict[int, float] = {}
+
+    def inbox(self, p: int, r: int) -> Inbox:
+        return self.inboxes.setdefault((p, r), Inbox())
+
+    def restore(self, p: int, commit: dict | None) -> None:
+        """Take what is owed for fragment ``p`` from its newest mean's commit."""
+        self.owed[p] = {(str(w), int(k)) for w, k in (commit or {}).get("owed", [])}
+
+    def send_step(self, p: int, r: int) -> int:
+        return min(self.schedule.send_step(p, r), self.manifest.total_steps)
+
+    def expected(self, p: int, r: int) -> set[str]:
+        return self.roster.expected(p, r, self.send_step(p, r))
+
+    def ready(self, p: int, r: int, inbox: Inbox) -> bool:
+        """Whether round ``r`` of ``p`` is to be reduced now (``inbox`` holds what
+        has arrived).
+
+        Every expected member in (usable or rejected): now. Otherwise once at least
+        the quorum is in (``min_quorum``, and ``quorum`` of the expected members)
+        and the grace window has passed since it was (``absent_deadline_s`` at most
+        when only members that missed an earlier round are missing), or
+        ``deadline_s`` since the first arrival."""
+        if not inbox.arrived:
+            return False
+        now = time.monotonic()
+        if not inbox.first:
+            inbox.first = now
+        inbox.expected = self.expected(p, r)
+        missing = inbox.expected - inbox.arrived
+        cfg = self.config
+        need = max(cfg.min_quorum, math.ceil(cfg.quorum * len(inbox.expected)))
+        if len(inbox.arrived) >= need and inbox.quorum_at is None:
+            inbox.quorum_at = now
+        if not missing:
+            self.absent -= inbox.arrived
+            return True
+        if inbox.quorum_at is None:
+            return False
+        grace = self.grace.seconds()
+        if missing <= self.absent:
+            grace = min(grace, cfg.absent_deadline_s)
+        if now - inbox.quorum_at < grace and now - inbox.first < cfg.deadline_s:
+            return False
+        log.warning(
+            "aggregator %s: fragment %d round %d: reducing %d of %d expected members after "
+            "%.1f s of grace (missing %s)", self.name, p, r,
+            len(inbox.arrived & inbox.expected), len(inbox.expected), now - inbox.quorum_at,
+            sorted(missing),
+        )
+        self.absent = (self.absent - inbox.arrived) | missing
+        return True
+
+    def settle(self, p: int, r: int, inbox: Inbox, fetch: Fetch
+               ) -> tuple[list[dict], list[dict], list[dict]]:
+        """Settle the contributions of fragment ``p`` that missed their round: each
+        committed one within ``max_staleness`` rounds joins this mean (its value in
+        ``inbox`` under `late_key`), a later one is dropped; one not committed by
+        then is recorded absent. Returns (late, dropped, absent) for the commit and
+        leaves the entries still owed, this round's misses included, in
+        ``self.owed[p]``."""
+        late, dropped, absent = [], [], []
+        keep: set[tuple[str, int]] = set()
+        bound = self.config.max_staleness
+        by_round: dict[int, list[str]] = {}
+        for w, k in self.owed[p]:
+            by_round.setdefault(k, []).append(w)
+        for k in sorted(by_round):
+            names = set(self.exchange.committed_workers(p, k))
+            for w in sorted(by_round[k]):
+                if w in names and r - k <= bound:
+                    key = late_key(w, k)
+                    got = fetch(p, k, w, inbox.rejected, key)
+                    if got is not None:
+                        inbox.values[key], inbox.tokens[key], inbox.norms[key] = got
+                        late.append({"worker": w, "round": k, "tokens": got[1]})
+                elif w in names:
+                    dropped.append({"worker": w, "round": k, "reason": "stale"})
+                elif r - k >= bound:
+                    absent.append({"worker": w, "round": k})
+                else:
+                    keep.add((w, k))
+        send_step = self.send_step(p, r)
+        for name, m in self.roster.members.items():
+            if (name not in inbox.arrived and self.roster.takes_part(name, p, r)
+                    and m.state not in ("joining", "finished") and m.from_step <= send_step):
+                keep.add((name, r))
+        self.owed[p] = keep
+        return late, dropped, absent
+
+    def reduced(self, p: int, r: int, inbox: Inbox | None) -> None:
+        """Round ``r`` of ``p`` is done: feed the grace window (when this aggregator
+        reduced it) and forget its inbox."""
+        now = time.monotonic()
+        if inbox is not None and inbox.quorum_at is not None:
+            self.grace.observe(quorum_at=inbox.quorum_at, last_arrival=inbox.last,
+                               complete=inbox.expected <= inbox.arrived,
+                               previous_mean_at=self._mean_at.get(p))
+        self._mean_at[p] = now
+        self.inboxes.pop((p, r), None)
