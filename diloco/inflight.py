@@ -247,6 +247,11 @@ class InFlight:
         for sent in self._rounds.values():
             sent.uploaded.result()
 
+    def reset(self) -> None:
+        """Forget every round (after :meth:`drain`) and the residuals: a rebase."""
+        self._rounds.clear()
+        self.residual[:] = [None] * len(self.residual)
+
     def close(self) -> None:
         """Stop background threads (without waiting for rounds in flight)."""
         self._closed.set()

@@ -38,8 +38,10 @@ from storage.spec import RunManifest
 
 log = logging.getLogger(__name__)
 
-#: states of a member's status in which it sends rounds
-ACTIVE = ("running",)
+#: states of a member's status in which it sends no more rounds (until it changes):
+#: one catching up to the run's state, one that left or finished. An interrupted or
+#: failed member stays expected until its lease lapses (it is usually relaunched).
+IDLE = ("joining", "left", "finished")
 
 
 class MembershipError(ValueError):
@@ -270,13 +272,13 @@ class Roster:
 
     def expected(self, p: int, r: int, send_step: int) -> set[str]:
         """The members round ``r`` of fragment ``p`` waits for: admitted, holding a
-        live lease, running (not joining, interrupted or failed), trained from a step
-        before the round's send, and not left before it."""
+        live lease, not idle (joining, left, finished), trained from a step before
+        the round's send, and not left before it."""
         out = set()
         for m in self.members.values():
             if not self.takes_part(m.name, p, r) or not self.live(m.name):
                 continue
-            if m.state is not None and m.state not in ACTIVE:
+            if m.state in IDLE:
                 continue
             if m.from_step > send_step:
                 continue

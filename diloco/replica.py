@@ -31,7 +31,7 @@ from diloco.schedule import Schedule
 from storage.exchange import Exchange
 from storage.spec import RunManifest
 
-__all__ = ["MergeAbandoned", "SyncStats", "Synchronizer"]
+__all__ = ["Behind", "MergeAbandoned", "SyncStats", "Synchronizer"]
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,9 @@ class SyncStats:
     waits: list[float] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
     late_means: int = 0
+    rebases: int = 0
 
-    _SAVED = ("wait_seconds", "rounds_sent", "rounds_merged", "late_means")
+    _SAVED = ("wait_seconds", "rounds_sent", "rounds_merged", "late_means", "rebases")
 
     def record_wait(self, seconds: float) -> None:
         self.wait_seconds += seconds
@@ -63,11 +64,23 @@ class SyncStats:
             setattr(self, name, type(getattr(self, name))(state.get(name, 0)))
 
 
+class Behind(RuntimeError):
+    """The round this worker was about to send would be dropped as too stale: the
+    others are more than ``max_staleness`` rounds ahead. The caller heals: it takes
+    the canonical state (`diloco.bootstrap.frontier`) and `Synchronizer.rebase`."""
+
+    def __init__(self, worker: str, fragment: int, round: int):
+        super().__init__(f"worker {worker}: fragment {fragment} round {round} is more than "
+                         "max_staleness rounds behind the run; healing to the canonical state")
+        self.fragment, self.round = fragment, round
+
+
 def _check_member(manifest: RunManifest, worker: str, plan: FragmentPlan,
-                  config: SyncConfig) -> None:
-    """Refuse a worker the run does not list, or a plan that does not cut the model
-    the way the run's manifest and sync config say, before anything is read."""
-    if worker not in manifest.workers:
+                  config: SyncConfig, joined: bool = False) -> None:
+    """Refuse a worker the run does not list (unless it joined), or a plan that does
+    not cut the model the way the run's manifest and sync config say, before
+    anything is read."""
+    if worker not in manifest.workers and not joined:
         raise ValueError(
             f"worker {worker!r} is not in run {manifest.run_id!r} (workers: "
             f"{', '.join(manifest.workers)})"
@@ -94,17 +107,23 @@ class Synchronizer:
         stop: threading.Event | None = None,
         stop_patience_s: float = 10.0,
         on_stall: Callable[[int, int, float], None] | None = None,
+        joined: bool = False,
+        heal: bool = True,
     ):
         """``stop``: once set, a merge blocked on a mean waits at most
         ``stop_patience_s`` more seconds (the mean may still come, if the other
         workers are running) and then raises `MergeAbandoned`. Without it a worker
         whose peers have stopped would wait for a mean that never comes.
         ``on_stall(fragment, round, seconds)``: told every ``stall_after_s`` while a
-        merge waits for a mean (the worker's status shows it)."""
+        merge waits for a mean (the worker's status shows it). ``joined``: the worker
+        joined mid-run (its membership is checked by the caller). ``heal``: before
+        each send, check that the round is not past ``max_staleness`` (one small
+        read) and raise `Behind` if it is."""
         manifest = exchange.manifest
         self.model, self.exchange, self.worker, self.plan = model, exchange, worker, plan
         self.config = config or SyncConfig(**manifest.sync)
-        _check_member(manifest, worker, plan, self.config)
+        _check_member(manifest, worker, plan, self.config, joined)
+        self.heal = heal
         self.schedule = Schedule(
             self.config.sync_every, self.config.fragments, self.config.send_offset
         )
@@ -138,8 +157,11 @@ class Synchronizer:
         return self.inflight.waiting_for
 
     # -- the training loop's entry points ------------------------------------------
-    def step(self, tokens: int = 0) -> None:
-        """Call after each inner optimizer step; ``tokens`` processed in that step."""
+    def step(self, tokens: int = 0, heal: bool | None = None) -> None:
+        """Call after each inner optimizer step; ``tokens`` processed in that step.
+        Raises `Behind` (having changed nothing) when a round due now would be too
+        stale; ``heal=False`` sends it anyway."""
+        heal = self.heal if heal is None else heal
         if self._finished:
             raise RuntimeError("step() after finish()")
         if self.stats.steps >= self.total_steps:
@@ -147,13 +169,43 @@ class Synchronizer:
                 f"worker {self.worker}: step {self.stats.steps + 1} is past the run's "
                 f"total_steps = {self.total_steps}"
             )
+        events = self.schedule.events(self.stats.steps + 1)
+        for event in events:  # before anything moves: the caller may heal and redo
+            if event.kind == "send" and heal and self._too_stale(event.fragment, event.round):
+                raise Behind(self.worker, event.fragment, event.round)
         self.stats.steps += 1
         self._tokens += tokens
-        for event in self.schedule.events(self.stats.steps):
+        for event in events:
             if event.kind == "send":
                 self._send(event.fragment, event.round)
             else:
                 self._merge(event.fragment, event.round)
+
+    def _too_stale(self, p: int, r: int) -> bool:
+        """Whether round ``r`` of ``p`` would be dropped: the mean ``max_staleness``
+        rounds later is committed already."""
+        later = r + self.config.max_staleness
+        if later >= self.rounds[p] or self.exchange.mean_commit(p, later) is None:
+            return False
+        # a worker replaying rounds it had sent before a crash is not behind
+        return self.worker not in self.exchange.committed_workers(p, r)
+
+    def rebase(self, step: int, rounds: list[int], outer: list[OuterState]) -> None:
+        """Start again after inner step ``step`` from the canonical state: ``rounds[p]``
+        rounds of fragment p applied, ``outer[p]`` their outer state. Rounds in flight
+        are finished uploading (the aggregator may still apply them late) and
+        forgotten; the live weights become the outer ones; the error-feedback
+        residuals restart (they belonged to the abandoned trajectory)."""
+        self.inflight.drain()
+        self.inflight.reset()
+        for p, state in enumerate(outer):
+            self.outer[p].load(state.params, state.momentum_buffer)
+            self.plan.scatter(self.model, p, self.outer[p].params)
+        self.stats.steps = step
+        self._next_round = list(rounds)
+        self._tokens_at_send = [self._tokens] * len(self.plan)
+        self.stats.rebases += 1
+        log.info("worker %s: rebased to step %d, rounds %s", self.worker, step, rounds)
 
     def finish(self) -> None:
         """End of training: complete rounds in flight, send the final rounds and apply

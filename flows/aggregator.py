@@ -144,8 +144,9 @@ def run_aggregator_job(
         evaluator = CanonicalEval(exchange, run_url, storage_options) if evaluate else None
         from workers.config import RunConfig  # noqa: PLC0415 - torch is slow to import
 
-        keep = RunConfig.model_validate(manifest.config).train.keep_checkpoints
-        agg = Aggregator(exchange, keep_checkpoints=keep)
+        cfg = RunConfig.model_validate(manifest.config)
+        agg = Aggregator(exchange, keep_checkpoints=cfg.train.keep_checkpoints,
+                         slots=cfg.data.slot_count(len(manifest.workers)))
     except Exception as exc:
         set_state(status_store, NAME, "failed", error=f"{type(exc).__name__}: {exc}")
         close_hooks(hooks)

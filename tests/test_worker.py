@@ -130,7 +130,7 @@ def test_resume_is_exact(dataset):
     """A worker stopped by SIGTERM resumes from the checkpoint it saved; one that
     crashed resumes from its last periodic checkpoint and replays. Both give the
     losses of an uninterrupted run (CPU, same seed) to 1e-6."""
-    cfg = config(dataset, "train.steps=30", "train.checkpoint_every=10")
+    cfg = config(dataset, "train.steps=30", "train.checkpoint_every=10", "sync.quorum=1.0")
     plain = Run(cfg)
     plain.train()
     broken = Run(cfg)

@@ -75,6 +75,10 @@ def parser() -> argparse.ArgumentParser:
                    help="override a config field, e.g. train.steps=100 (repeatable; --create)")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000")
+    p.add_argument("--join", action="store_true",
+                   help="with --worker: join the running run as a new member of that name")
+    p.add_argument("--claim", default=None,
+                   help="with --join: the id of this join (a relaunch passes the same one)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -157,8 +161,9 @@ def _aggregate(args: argparse.Namespace, opts: dict | None) -> int:
 
     from workers.config import RunConfig  # noqa: PLC0415
 
-    keep = RunConfig.model_validate(ex.manifest.config).train.keep_checkpoints
-    agg = Aggregator(ex, on_round=on_round, keep_checkpoints=keep)
+    cfg = RunConfig.model_validate(ex.manifest.config)
+    agg = Aggregator(ex, on_round=on_round, keep_checkpoints=cfg.train.keep_checkpoints,
+                     slots=cfg.data.slot_count(len(ex.manifest.workers)))
     stats = agg.run(stop)
     board.update("finished" if agg.done else "interrupted", force=True,
                  rounds=len(stats.rounds), total_rounds=total, rejected=stats.rejected)
@@ -180,7 +185,7 @@ def _train(args: argparse.Namespace, opts: dict | None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     loop = WorkerLoop(args.run, args.worker, storage_options=opts, stop=stop, group=group,
-                      metrics=_log_metrics(args.worker))
+                      metrics=_log_metrics(args.worker), join=args.join, claim=args.claim)
     try:
         result = loop.run()
     except Interrupted as exc:

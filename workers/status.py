@@ -25,7 +25,9 @@ from storage.objectstore import ObjectStore
 
 log = logging.getLogger(__name__)
 
-STATES = ("running", "finished", "interrupted", "failed", "cancelled")
+STATES = ("joining", "running", "finished", "left", "interrupted", "failed", "cancelled")
+#: states whose status is renewed in the background: it is the member's lease
+RENEWED = ("joining", "running")
 
 
 def _now() -> str:
@@ -40,9 +42,15 @@ class StatusBoard:
     status PUT queued behind a fragment upload would otherwise stall the training
     loop for seconds. Any other state (finished, interrupted, ...) is written
     before ``update`` returns, after any background write in flight, and no older
-    ``running`` status can land after it."""
+    ``running`` status can land after it.
 
-    def __init__(self, store: ObjectStore, name: str, *, background: bool = False):
+    ``renew_s``: the status is the member's lease; while it says ``joining`` or
+    ``running``, the writer thread writes it again (a fresh ``updated``) whenever
+    ``renew_s`` seconds pass without a write, so a worker blocked on a long merge or
+    a slow step keeps its lease."""
+
+    def __init__(self, store: ObjectStore, name: str, *, background: bool = False,
+                 renew_s: float | None = None):
         self.store = store
         self.name = name
         self.background = background
@@ -52,6 +60,9 @@ class StatusBoard:
         self._pending_lock = threading.Lock()
         self._wake = threading.Event()
         self._writer: threading.Thread | None = None
+        self.renew_s = renew_s
+        self._last: dict[str, Any] | None = None
+        self._last_put = time.monotonic()
 
     def register(self, **extra: Any) -> None:
         """Write the party's registration once: where it runs and which code (the
@@ -72,8 +83,10 @@ class StatusBoard:
         if not force and now - self._last_write < min_interval:
             return
         self._last_write = now
-        body = json.dumps({"name": self.name, "state": state, "updated": _now(), **fields})
-        if self.background and state == "running":
+        record = {"name": self.name, "state": state, "updated": _now(), **fields}
+        self._last = record
+        body = json.dumps(record)
+        if self.background and state in RENEWED:
             with self._pending_lock:
                 self._pending = body.encode()
             if self._writer is None:
@@ -88,6 +101,7 @@ class StatusBoard:
             self._put(body.encode())
 
     def _put(self, body: bytes) -> None:
+        self._last_put = time.monotonic()
         try:
             self.store.put(layout.member_status(self.name), body)
         except StoreError as exc:
@@ -95,11 +109,17 @@ class StatusBoard:
 
     def _write_loop(self) -> None:
         while True:
-            self._wake.wait()
+            self._wake.wait(self.renew_s)
             self._wake.clear()
             with self._write_lock:
                 with self._pending_lock:
                     body, self._pending = self._pending, None
+                last = self._last
+                if (body is None and self.renew_s is not None and last is not None
+                        and last.get("state") in RENEWED
+                        and time.monotonic() - self._last_put >= self.renew_s):
+                    last = {**last, "updated": _now()}  # a renewal of the lease
+                    body = json.dumps(last).encode()
                 if body is not None:
                     self._put(body)
 

@@ -32,12 +32,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from diloco.replica import MergeAbandoned, Synchronizer
+from diloco.replica import Behind, MergeAbandoned, Synchronizer
 from diloco.run import load_initial, open_exchange, plan_for
 from diloco.schedule import Schedule
 from storage.objectstore import ObjectStore
 from storage.retry import outlast
-from workers import checkpoint
+from workers import checkpoint, elastic
 from workers.config import RunConfig
 from workers.data.streams import WorkerStream, open_dataset, val_batches
 from workers.model import Transformer, build_model, describe
@@ -73,6 +73,8 @@ class WorkerResult:
     bytes_down: int
     resumed_from: int | None
     losses: list[float] = field(default_factory=list)
+    state: str = "finished"  # or "left"
+    rebases: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -97,9 +99,14 @@ class Group:
         return self.rank == 0
 
 
-def lr_at(step: int, cfg: RunConfig) -> float:
+def lr_at(step: int, cfg: RunConfig, warm_from: int | None = None) -> float:
     """Learning rate for inner step ``step`` (1-based): linear warmup, cosine decay
-    to ``min_lr_ratio * lr`` at the last step."""
+    to ``min_lr_ratio * lr`` at the last step. ``warm_from``: a worker that started
+    at that step with a new inner optimizer (a joiner) warms up again over
+    ``warmup_steps`` from there."""
+    if warm_from is not None and cfg.optim.warmup_steps:
+        ramp = min(1.0, (step - warm_from) / cfg.optim.warmup_steps)
+        return ramp * lr_at(step, cfg)
     o, total = cfg.optim, cfg.train.steps
     if o.warmup_steps and step <= o.warmup_steps:
         return o.lr * step / o.warmup_steps
@@ -169,7 +176,12 @@ class WorkerLoop:
         stop: threading.Event | None = None,
         group: Group | None = None,
         stop_patience_s: float = 10.0,
+        join: bool = False,
+        claim: str | None = None,
     ):
+        """``join``: the worker is not one of the manifest's workers and joins the
+        running run (``claim``: the id of its membership record, so a relaunch of
+        the same join is told from a second joiner taking the name)."""
         # Exchange traffic is what the product reports; checkpoints go through their
         # own client so that their bytes are counted apart.
         self.group = group or Group()
@@ -180,20 +192,20 @@ class WorkerLoop:
         self.store = ObjectStore(run_url, storage_options=storage_options, name=worker)
         self.ckpt_store = ObjectStore(run_url, storage_options=storage_options,
                                       name=f"{worker}-checkpoints")
-        self.status = StatusBoard(
-            ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-status"),
-            worker, background=True,
-        )
         self.exchange = open_exchange(self.store)
         manifest = self.exchange.manifest
-        if worker not in manifest.workers:
-            raise ValueError(
-                f"worker {worker!r} is not in run {manifest.run_id!r}; workers: "
-                f"{', '.join(manifest.workers)}"
-            )
         self.cfg = RunConfig.model_validate(manifest.config)
+        self.status = StatusBoard(
+            ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-status"),
+            worker, background=True, renew_s=max(0.5, self.cfg.sync.lease_s / 4),
+        )
         self.worker = worker
-        self.index = manifest.workers.index(worker)
+        self.sync: Synchronizer | None = None
+        self.step, self.tokens, self.from_step = 0, 0, 0
+        self.warm_from: int | None = None
+        self.seat = elastic.take_seat(
+            self.store, manifest, self.cfg, worker, join=join, claim=claim,
+            on_wait=lambda: self._status("joining", force=True, note="waiting for admission"))
         self.metrics = metrics or (lambda m: None)
         self.stop = stop or threading.Event()
         self.stop_patience_s = stop_patience_s
@@ -218,7 +230,7 @@ class WorkerLoop:
                          worker, frag.index, frag.numel, len(frag.params),
                          ", ".join(frag.names[:3]))
 
-        b, size = self.cfg.data.batch_size, self.group.size
+        b, size = self.seat.batch_size, self.group.size
         dp = self.cfg.train.strategy == "data_parallel"
         if dp and self.group.size not in (1, len(manifest.workers)):
             raise ValueError(
@@ -229,7 +241,9 @@ class WorkerLoop:
             raise ValueError(
                 f"data.batch_size = {b} must be divisible by the island's {size} processes"
             )
-        stream_index, stream_count = (self.index, len(manifest.workers))
+        stream_index, stream_count = self.seat.slot, self.seat.slots
+        if dp:  # the baseline: rank i of M reads share i of M
+            stream_index, stream_count = manifest.workers.index(worker), len(manifest.workers)
         self.stream = WorkerStream(
             self.dataset, stream_index, stream_count, split=self.cfg.data.split,
             seq_len=self.cfg.data.seq_len, batch_size=b, seed=self.cfg.train.seed,
@@ -237,11 +251,8 @@ class WorkerLoop:
         self.val = val_batches(self.dataset, seq_len=self.cfg.data.seq_len, batch_size=b,
                                num_batches=self.cfg.train.eval_batches)
         self.opt = make_optimizer(self.model, self.cfg)
-        self.sync: Synchronizer | None = None
         self.schedule = Schedule(self.cfg.sync.sync_every, self.cfg.sync.fragments,
                                  self.cfg.sync.send_offset)
-        self.step = 0
-        self.tokens = 0
         self.resumed_from: int | None = None
         self._restore()
 
@@ -255,12 +266,16 @@ class WorkerLoop:
             self.sync = Synchronizer(self.model, self.exchange, self.worker, self.plan,
                                      initialise=saved is None, stop=self.stop,
                                      stop_patience_s=self.stop_patience_s,
-                                     on_stall=self._waiting)
+                                     on_stall=self._waiting, joined=self.seat.joined,
+                                     heal=self.group.size == 1)
         elif self._uses_sync() or self.cfg.train.strategy == "data_parallel":
             # followers and the baseline start from the run's initial parameters too
             for p, v in enumerate(load_initial(self.exchange, len(self.plan))):
                 self.plan.scatter(self.model, p, v)
         if saved is None:
+            if self.sync is not None and self.group.size == 1:
+                elastic.catch_up(self, fresh=True, reason="joining" if self.seat.joined
+                                 else "starting")
             return
         step, state = saved
         self.model.load_state_dict(state["model"])
@@ -270,8 +285,12 @@ class WorkerLoop:
         if self.sync is not None:
             self.sync.load_state_dict(state["sync"])
         self.step, self.tokens = step, int(state["tokens"])
+        self.from_step = int(state.get("from_step", 0))
+        self.warm_from = state.get("warm_from")
         self.resumed_from = step
         log.info("worker %s: resumed from the checkpoint of step %d", self.worker, step)
+        if self.sync is not None and self.group.size == 1 and elastic.behind_on_resume(self):
+            elastic.catch_up(self, fresh=False, reason="resumed behind the run")
 
     def save(self) -> None:
         # an island saves once (rank 0); in the baseline every rank is a worker
@@ -283,6 +302,8 @@ class WorkerLoop:
             "data": self.stream.state_dict(),
             "rng": torch.get_rng_state(),
             "tokens": self.tokens,
+            "from_step": self.from_step,
+            "warm_from": self.warm_from,
             "sync": self.sync.state_dict() if self.sync is not None else None,
         }
         # a checkpoint write is safe to repeat (create-only commit): an outage of the
@@ -333,7 +354,7 @@ class WorkerLoop:
         island = self.group.size if cfg.train.strategy == "diloco" else 1
         # tokens this worker (island) processes per inner step; the baseline's workers
         # each draw their own batch too, so both strategies see the same tokens
-        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * accum
+        tokens_per_step = self.seat.batch_size * cfg.data.seq_len * accum
         losses: list[float] = []
         start = time.perf_counter()
         window_start, window_tokens = start, 0
@@ -344,6 +365,8 @@ class WorkerLoop:
                                  island=self.group.size if island > 1 else 1)
         else:
             self.status = None  # followers of an island stay silent
+        if self.sync is not None and (elastic.already_left(self) or elastic.asked_to_leave(self)):
+            return self._leave(start, losses)
         while self.step < total:
             if self.stop.is_set():
                 self.save()
@@ -351,7 +374,7 @@ class WorkerLoop:
                              resumes_from=self.step)
                 raise Interrupted(self.step)
             step = self.step + 1
-            lr = lr_at(step, cfg)
+            lr = lr_at(step, cfg, self.warm_from)
             for group in self.opt.param_groups:
                 group["lr"] = lr
             self.opt.zero_grad(set_to_none=True)
@@ -370,11 +393,17 @@ class WorkerLoop:
             if cfg.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
             self.opt.step()
+            if self.sync is not None:
+                try:
+                    self.sync.step(tokens=tokens_per_step)
+                except Behind as exc:
+                    log.warning("%s", exc)
+                    if elastic.catch_up(self, fresh=False, reason="fell behind"):
+                        continue  # this step's work is superseded by the canonical state
+                    self.sync.step(tokens=tokens_per_step, heal=False)
             self.step = step
             self.tokens += tokens_per_step
             window_tokens += tokens_per_step
-            if self.sync is not None:
-                self.sync.step(tokens=tokens_per_step)
             if island > 1:
                 self._broadcast_merged(step)
             losses.append(loss_sum)
@@ -389,6 +418,8 @@ class WorkerLoop:
                 self.metrics({"worker": self.worker, "step": step, "eval_loss": eval_loss})
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
                 self.save()
+            if self._merged(step) and elastic.asked_to_leave(self):
+                return self._leave(start, losses)
 
         if self.sync is not None:
             self.sync.finish()
@@ -401,6 +432,10 @@ class WorkerLoop:
                       "final": True})
         self._status("finished", force=True, loss=losses[-1] if losses else None,
                      eval_loss=eval_loss)
+        return self._result(start, losses, eval_loss)
+
+    def _result(self, start: float, losses: list[float], eval_loss: float | None,
+                state: str = "finished") -> WorkerResult:
         traffic = self.store.traffic
         return WorkerResult(
             worker=self.worker,
@@ -414,7 +449,20 @@ class WorkerLoop:
             bytes_down=traffic.bytes_down,
             resumed_from=self.resumed_from,
             losses=losses,
+            state=state,
+            rebases=self.sync.stats.rebases if self.sync else 0,
         )
+
+    def _merged(self, step: int) -> bool:
+        return self.sync is not None and any(
+            e.kind == "merge" for e in self.schedule.events(step))
+
+    def _leave(self, start: float, losses: list[float]) -> WorkerResult:
+        """``diloco leave``: at a merge point, commit, record, stop."""
+        elastic.leave(self)
+        self._status("left", force=True, loss=losses[-1] if losses else None)
+        self.sync.close()
+        return self._result(start, losses, None, state="left")
 
     def _waiting(self, p: int, r: int, seconds: float) -> None:
         """A merge has waited long for a mean: the status says which and how long."""
@@ -428,7 +476,9 @@ class WorkerLoop:
         self.status.update(
             state, force=force, step=self.step, total_steps=self.cfg.train.steps,
             tokens=self.tokens, bytes_up=t.bytes_up, bytes_down=t.bytes_down,
-            wait_s=self.sync.stats.wait_seconds if self.sync else 0.0, **fields,
+            wait_s=self.sync.stats.wait_seconds if self.sync else 0.0,
+            from_step=self.from_step, slot=getattr(getattr(self, "seat", None), "slot", None),
+            rebases=self.sync.stats.rebases if self.sync else 0, **fields,
         )
 
     def _report(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:

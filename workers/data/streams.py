@@ -255,6 +255,12 @@ class WorkerStream:
         self.batch_index += 1
         return out
 
+    def seek(self, batch_index: int) -> None:
+        """Move forward to batch ``batch_index`` (never back): a worker that joins or
+        heals at inner step S reads from batch S (times its accumulation) on, so
+        no batch of its slot is read twice, whoever held the slot before."""
+        self.batch_index = max(self.batch_index, int(batch_index))
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "batch_index": self.batch_index,

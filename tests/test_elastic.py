@@ -1,0 +1,145 @@
+"""Elastic membership in process: a worker joins a running run, one leaves, one is
+slow past its lease; every contribution ends in exactly one outcome (the audit)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from diloco.aggregator import Aggregator
+from diloco.audit import audit
+from diloco.membership import MembershipError, request_leave
+from diloco.run import open_exchange
+from storage import layout
+from storage.objectstore import ObjectStore
+from workers.config import load_config
+from workers.data.prepare import prepare_data
+from workers.runs import create_run
+from workers.train import WorkerLoop
+
+MICRO = [
+    "model.overrides={d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}",
+    "data.seq_len=16", "data.batch_size=4", "optim.warmup_steps=2", "optim.lr=0.01",
+    "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",
+    "train.checkpoint_every=4", "sync.sync_every=4", "sync.fragments=2", "sync.overlap=1",
+    "sync.poll_max_s=0.05", "sync.grace_min_s=0.05", "sync.grace_max_s=2",
+    "sync.lease_s=3",
+]
+
+_DATASET = f"memory://datasets/elastic-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def dataset() -> str:
+    prepare_data(["builtin:shakespeare"], _DATASET, max_bytes=120_000)
+    return _DATASET
+
+
+class Run:
+    """A run whose aggregator runs in a thread; workers are started on demand."""
+
+    def __init__(self, dataset: str, *extra: str, url: str | None = None):
+        self.cfg = load_config("tiny", [*MICRO, f"data.dataset={dataset}", *extra])
+        self.url = url or f"memory://elastic/{uuid.uuid4().hex}"
+        create_run(self.cfg, self.url)
+        self.stop = threading.Event()
+        self.aggregator = Aggregator(open_exchange(self.url), slots=self.cfg.data.slot_count(
+            len(self.cfg.workers)))
+        self.agg = threading.Thread(target=self.aggregator.run, args=(self.stop, 300))
+        self.agg.start()
+        self.results: dict[str, object] = {}
+        self.errors: list[BaseException] = []
+        self.threads: list[threading.Thread] = []
+        self.steps: dict[str, int] = {}
+
+    def start(self, worker: str, *, join: bool = False, slow_s: float = 0.0,
+              stop: threading.Event | None = None) -> threading.Thread:
+        def metrics(m):
+            if "loss" in m:
+                self.steps[worker] = m["step"]
+                if slow_s:
+                    time.sleep(slow_s)
+
+        def work():
+            try:
+                loop = WorkerLoop(self.url, worker, join=join, metrics=metrics, stop=stop)
+                try:
+                    self.results[worker] = loop.run()
+                finally:
+                    loop.close()
+            except BaseException as exc:  # surfaced by the test
+                self.errors.append(exc)
+
+        t = threading.Thread(target=work, name=worker)
+        t.start()
+        self.threads.append(t)
+        return t
+
+    def wait(self, timeout: float = 240) -> None:
+        for t in self.threads:
+            t.join(timeout)
+        self.agg.join(timeout)
+        self.stop.set()
+        if self.errors:
+            raise self.errors[0]
+
+    def until(self, worker: str, step: int, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        while self.steps.get(worker, 0) < step:
+            assert time.monotonic() < end, f"{worker} never reached step {step}"
+            time.sleep(0.02)
+
+
+def _clean(report: dict) -> None:
+    assert report["lost"] == [] and report["double"] == [], report
+    assert report["pending"] == 0, report
+
+
+def test_a_worker_joins_midway_and_its_rounds_are_applied(dataset):
+    run = Run(dataset, "train.steps=48")
+    for w in run.cfg.workers:
+        run.start(w)
+    run.until("region-a", 16)
+    run.start("region-c", join=True)
+    run.wait()
+    assert run.aggregator.done
+    joined = run.results["region-c"]
+    assert joined.state == "finished" and joined.steps == 48
+    ex = open_exchange(run.url)
+    admission = ex.store.get(layout.admission("region-c"))
+    assert b'"slot": 2' in admission  # the first free data slot after the two workers
+    report = audit(ex)
+    _clean(report)
+    took_part = [r for p in range(2) for r in range(ex.manifest.rounds[p])
+                 if "region-c" in (ex.mean_commit(p, r) or {}).get("weights", {})]
+    assert took_part, "the joiner's contributions were never applied on time"
+
+
+def test_a_leaver_finishes_its_round_and_no_one_waits_for_it(dataset):
+    run = Run(dataset, "train.steps=48", "sync.quorum=1.0", "sync.grace_s=30")
+    for w in run.cfg.workers:
+        run.start(w)
+    run.until("region-b", 10)
+    store = ObjectStore(run.url)
+    assert request_leave(store, "region-b")
+    t0 = time.monotonic()
+    run.wait()
+    assert time.monotonic() - t0 < 60  # quorum 1.0 and 30 s of grace: no wait for it
+    assert run.results["region-b"].state == "left"
+    ex = open_exchange(run.url)
+    left = ex.store.get(layout.left("region-b"))
+    assert b"last_rounds" in left
+    report = audit(ex)
+    _clean(report)
+    assert report["applied_late"] == 0 and report["dropped_stale"] == 0
+
+
+def test_a_name_already_taken_is_refused_and_nothing_is_written(dataset):
+    run = Run(dataset, "train.steps=8")
+    with pytest.raises(MembershipError, match="taken"):
+        WorkerLoop(run.url, "region-a", join=True)
+    run.stop.set()
+    run.agg.join(10)
