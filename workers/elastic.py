@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from diloco.bootstrap import frontier
 from diloco.membership import (
@@ -42,8 +42,8 @@ from storage.objectstore import ObjectStore
 from storage.spec import RunManifest
 from workers.config import RunConfig
 
-if TYPE_CHECKING:  # pragma: no cover
-    from workers.train import WorkerLoop
+#: a `workers.train.WorkerLoop` (not imported: it imports this module)
+WorkerLoop = Any
 
 log = logging.getLogger(__name__)
 
