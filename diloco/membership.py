@@ -111,6 +111,12 @@ def wait_admission(store: ObjectStore, name: str, *, timeout_s: float,
         delay = min(delay * 1.5, poll_s)
 
 
+def run_finished(store: ObjectStore, manifest: RunManifest) -> bool:
+    """Whether every fragment's last round is reduced (the run has finished)."""
+    return all(store.exists(layout.mean_commit(p, n - 1))
+               for p, n in enumerate(manifest.rounds) if n > 0)
+
+
 def request_leave(store: ObjectStore, name: str, reason: str = "diloco leave") -> bool:
     """Ask worker ``name`` to leave; False when it was asked already."""
     body = {"worker": name, "reason": reason, "created": _now()}

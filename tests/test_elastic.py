@@ -114,8 +114,9 @@ def test_a_worker_joins_midway_and_its_rounds_are_applied(dataset):
     report = audit(ex)
     _clean(report)
     took_part = [r for p in range(2) for r in range(ex.manifest.rounds[p])
-                 if "region-c" in (ex.mean_commit(p, r) or {}).get("weights", {})]
-    assert took_part, "the joiner's contributions were never applied on time"
+                 for key in (ex.mean_commit(p, r) or {}).get("weights", {})
+                 if key.split("@")[0] == "region-c"]
+    assert took_part, "the joiner's contributions were never applied (on time or late)"
 
 
 def test_a_leaver_finishes_its_round_and_no_one_waits_for_it(dataset):
@@ -143,3 +144,15 @@ def test_a_name_already_taken_is_refused_and_nothing_is_written(dataset):
         WorkerLoop(run.url, "region-a", join=True)
     run.stop.set()
     run.agg.join(10)
+
+
+def test_joining_a_finished_run_is_refused_and_nothing_is_written(dataset):
+    run = Run(dataset, "train.steps=8")
+    for w in run.cfg.workers:
+        run.start(w)
+    run.wait()
+    store = ObjectStore(run.url)
+    before = sorted(store.list(""))
+    with pytest.raises(MembershipError, match="finished"):
+        WorkerLoop(run.url, "region-z", join=True)
+    assert sorted(store.list("")) == before

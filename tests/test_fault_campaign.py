@@ -57,10 +57,10 @@ WORKERS = ("region-a", "region-b")
 #: seconds a trial may take before it is called hung (a plain run takes ~7 s)
 TRIAL_TIMEOUT = 90.0
 
-# The micro model of tests/test_flows.py, 16 steps. The aggregator waits 30 s for
-# a missing worker (a killed one is back within a few seconds, so kills never
-# change who is in a round); a rejected contribution counts as arrived, so it
-# never makes a round wait.
+# The micro model of tests/test_flows.py, 16 steps. Quorum 1.0: the aggregator
+# waits for every member holding its lease (a killed one is back within a few
+# seconds, well inside it, so kills never change who is in a round); a rejected
+# contribution counts as arrived, so it never makes a round wait.
 MICRO = [
     "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
     "data.seq_len=32", "data.batch_size=8", "optim.warmup_steps=4", "optim.lr=0.01",
@@ -69,6 +69,7 @@ MICRO = [
     "sync.sync_every=4", "sync.fragments=2", "sync.overlap=1",
     "sync.codec_up=int4", "sync.codec_down=int8", "sync.error_feedback=true",
     "sync.deadline_s=30", "sync.absent_deadline_s=30", "sync.poll_max_s=0.1",
+    "sync.quorum=1.0",
 ]
 
 

@@ -35,6 +35,7 @@ from diloco.membership import (
     new_claim,
     read_json,
     record_left,
+    run_finished,
     wait_admission,
 )
 from storage import layout
@@ -86,6 +87,9 @@ def take_seat(store: ObjectStore, manifest: RunManifest, cfg: RunConfig, worker:
         if cfg.train.strategy != "diloco":
             raise MembershipError(
                 f"train.strategy is {cfg.train.strategy!r}: only 'diloco' runs take joiners")
+        if run_finished(store, manifest):
+            raise RunFinished(f"run {manifest.run_id!r} has finished: every round is reduced "
+                              "(nothing left to join)")
         claim_name(store, manifest, worker, claim or new_claim(), batch_size=batch)
         record = read_json(store, layout.member(worker)) or {}
     elif join and claim is not None and record.get("claim") != claim:

@@ -203,9 +203,6 @@ class WorkerLoop:
         self.sync: Synchronizer | None = None
         self.step, self.tokens, self.from_step = 0, 0, 0
         self.warm_from: int | None = None
-        self.seat = elastic.take_seat(
-            self.store, manifest, self.cfg, worker, join=join, claim=claim,
-            on_wait=lambda: self._status("joining", force=True, note="waiting for admission"))
         self.metrics = metrics or (lambda m: None)
         self.stop = stop or threading.Event()
         self.stop_patience_s = stop_patience_s
@@ -230,6 +227,9 @@ class WorkerLoop:
                          worker, frag.index, frag.numel, len(frag.params),
                          ", ".join(frag.names[:3]))
 
+        self.seat = elastic.take_seat(
+            self.store, manifest, self.cfg, worker, join=join, claim=claim,
+            on_wait=lambda: self._status("joining", force=True, note="waiting for admission"))
         b, size = self.seat.batch_size, self.group.size
         dp = self.cfg.train.strategy == "data_parallel"
         if dp and self.group.size not in (1, len(manifest.workers)):
