@@ -28,6 +28,7 @@ from diloco.inflight import InFlight, MergeAbandoned, Round
 from diloco.outer import OuterState
 from diloco.run import load_initial
 from diloco.schedule import Schedule
+from storage.errors import TransientStoreError
 from storage.exchange import Exchange
 from storage.spec import RunManifest
 
@@ -185,10 +186,13 @@ class Synchronizer:
         """Whether round ``r`` of ``p`` would be dropped: the mean ``max_staleness``
         rounds later is committed already."""
         later = r + self.config.max_staleness
-        if later >= self.rounds[p] or self.exchange.mean_commit(p, later) is None:
+        try:
+            if later >= self.rounds[p] or self.exchange.mean_commit(p, later) is None:
+                return False
+            # a worker replaying rounds it had sent before a crash is not behind
+            return self.worker not in self.exchange.committed_workers(p, r)
+        except TransientStoreError:  # undecided: send (a stale round is still settled)
             return False
-        # a worker replaying rounds it had sent before a crash is not behind
-        return self.worker not in self.exchange.committed_workers(p, r)
 
     def rebase(self, step: int, rounds: list[int], outer: list[OuterState]) -> None:
         """Start again after inner step ``step`` from the canonical state: ``rounds[p]``

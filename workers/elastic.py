@@ -40,6 +40,7 @@ from diloco.membership import (
 )
 from storage import layout
 from storage.objectstore import ObjectStore
+from storage.retry import outlast
 from storage.spec import RunManifest
 from workers.config import RunConfig
 
@@ -112,8 +113,10 @@ def catch_up(loop: WorkerLoop, *, fresh: bool, reason: str) -> bool:
     if sync is None:
         return False
     loop._status("joining", force=True, note=reason)
-    front = frontier(loop.exchange, loop.cfg.sync, stop=loop.stop.is_set,
-                     timeout_s=loop.cfg.sync.outage_s)
+    front = outlast(lambda: frontier(loop.exchange, loop.cfg.sync, stop=loop.stop.is_set,
+                                     timeout_s=loop.cfg.sync.outage_s),
+                    patience_s=loop.cfg.sync.outage_s, log=log, stop=loop.stop.is_set,
+                    what=f"worker {loop.worker}: read the run's canonical state", pause_s=2.0)
     if front.step >= loop.cfg.train.steps:
         raise RunFinished(
             f"run {loop.exchange.manifest.run_id!r} has finished: every round is reduced "
@@ -133,17 +136,23 @@ def catch_up(loop: WorkerLoop, *, fresh: bool, reason: str) -> bool:
     return True
 
 
-def behind_on_resume(loop: WorkerLoop) -> bool:
-    """Whether a resumed worker's next round of some fragment was reduced without
-    it (a round reduced with its contribution is one it replays exactly)."""
+def behind(loop: WorkerLoop) -> bool:
+    """Whether a starting worker's next round of some fragment was reduced without
+    it (a round reduced with its contribution is one it replays exactly, as a
+    worker started again after a crash does)."""
     sync = loop.sync
     if sync is None:
         return False
-    for p, (r, n) in enumerate(zip(sync._next_round, sync.rounds, strict=True)):
-        commit = loop.exchange.mean_commit(p, r) if r < n else None
-        if commit is not None and loop.worker not in commit.get("weights", {}):
-            return True
-    return False
+
+    def check() -> bool:
+        for p, (r, n) in enumerate(zip(sync._next_round, sync.rounds, strict=True)):
+            commit = loop.exchange.mean_commit(p, r) if r < n else None
+            if commit is not None and loop.worker not in commit.get("weights", {}):
+                return True
+        return False
+
+    return outlast(check, patience_s=loop.cfg.sync.outage_s, log=log, pause_s=2.0,
+                   what=f"worker {loop.worker}: read where the run is", stop=loop.stop.is_set)
 
 
 def asked_to_leave(loop: WorkerLoop) -> bool:

@@ -273,9 +273,9 @@ class WorkerLoop:
             for p, v in enumerate(load_initial(self.exchange, len(self.plan))):
                 self.plan.scatter(self.model, p, v)
         if saved is None:
-            if self.sync is not None and self.group.size == 1:
-                elastic.catch_up(self, fresh=True, reason="joining" if self.seat.joined
-                                 else "starting")
+            if self.sync is not None and self.group.size == 1 and (
+                    self.seat.joined or elastic.behind(self)):
+                elastic.catch_up(self, fresh=True, reason="starting behind the run")
             return
         step, state = saved
         self.model.load_state_dict(state["model"])
@@ -289,7 +289,7 @@ class WorkerLoop:
         self.warm_from = state.get("warm_from")
         self.resumed_from = step
         log.info("worker %s: resumed from the checkpoint of step %d", self.worker, step)
-        if self.sync is not None and self.group.size == 1 and elastic.behind_on_resume(self):
+        if self.sync is not None and self.group.size == 1 and elastic.behind(self):
             elastic.catch_up(self, fresh=False, reason="resumed behind the run")
 
     def save(self) -> None:
