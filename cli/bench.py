@@ -18,7 +18,7 @@ import typer
 
 from cli.console import EXIT_FAILED, EXIT_INTERRUPTED, fail
 
-BENCHMARKS = ("codecs", "exchange", "quality", "traffic", "bandwidth")
+BENCHMARKS = ("codecs", "exchange", "quality", "traffic", "bandwidth", "elastic")
 
 
 def checkout() -> Path:
@@ -31,6 +31,9 @@ def checkout() -> Path:
 
 
 def bench(
+    names: Annotated[list[str] | None, typer.Argument(
+        help="benchmarks to run, e.g. `diloco bench elastic` (same as --only)",
+        show_default=False)] = None,
     only: Annotated[str, typer.Option(
         help=f"comma list of: {', '.join(BENCHMARKS)}")] = ",".join(BENCHMARKS),
     quick: Annotated[bool, typer.Option(
@@ -41,11 +44,14 @@ def bench(
         help="where the JSON and Markdown go (default benchmarks/results)")] = None,
 ) -> None:
     """Measure against data-parallel: codecs, exchange latency, quality at equal
-    tokens, traffic, and compute utilisation under capped bandwidth (root).
+    tokens, traffic, compute utilisation under capped bandwidth (root), and elastic
+    membership under faults (`diloco bench elastic`: workers killed, slow, joining).
 
     Each benchmark runs as its own process, one after the other; each writes JSON
     and Markdown, and benchmarks/results/summary.md gathers them. A full run takes
     hours on two cores; --quick checks that everything works in a few minutes."""
+    if names:
+        only = ",".join(names)
     names = [n.strip() for n in only.split(",") if n.strip()]
     unknown = sorted(set(names) - set(BENCHMARKS))
     if unknown or not names:

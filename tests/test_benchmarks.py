@@ -18,7 +18,14 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks import bench_bandwidth, bench_quality, bench_traffic, netns, run_all  # noqa: E402
+from benchmarks import (  # noqa: E402
+    bench_bandwidth,
+    bench_elastic,
+    bench_quality,
+    bench_traffic,
+    netns,
+    run_all,
+)
 from benchmarks.contenders import Contender, load  # noqa: E402
 from benchmarks.measurements import summarise_traffic  # noqa: E402
 from benchmarks.recipe import CODECS, MODES, reference_overrides  # noqa: E402
@@ -300,3 +307,71 @@ def test_diloco_bench_runs_the_chosen_benchmarks(tmp_path):
     bad = runner.invoke(app, ["bench", "--only", "codecs,speed"])
     assert bad.exit_code == 2
     assert "unknown speed" in bad.output and "bandwidth" in bad.output
+
+
+def _elastic_row(name: str, tokens: float, wall: float, live: float, fast: float,
+                 loss: float, **extra) -> dict:
+    return {"scenario": name, "applied_tokens": tokens, "wall_s": wall,
+            "goodput": tokens / wall, "live_workers": live,
+            "fast_steps_per_s": dict.fromkeys(bench_elastic.FAST, fast), "eval_loss": loss,
+            "joiner": None, "late": 0, "dropped": 0,
+            "audit": {"lost": [], "double": []}, **extra}
+
+
+def test_elastic_arithmetic_targets_and_table(tmp_path):
+    """Goodput against fault-free per live worker, fast workers' throughput, eval loss
+    interpolated on the fault-free curve at equal applied tokens, the targets, the
+    table; and its config is a valid run config (a real run: `diloco bench elastic`)."""
+    from workers.config import load_config  # noqa: PLC0415
+
+    args = bench_elastic.parser().parse_args(["--steps", "36", "--sync-every", "6"])
+    cfg = load_config("tiny", bench_elastic.overrides(args, "file:///tmp/data"))
+    assert cfg.workers == ["w0", "w1", "w2", "w3"] and cfg.sync.lease_s == 5.0
+    assert cfg.train.keep_checkpoints == 0 and cfg.train.threads == 1
+    curve = [(100.0, 4.0), (200.0, 3.0), (400.0, 2.0)]
+    assert bench_elastic.interpolate(curve, 300.0) == (2.5, True)
+    assert bench_elastic.interpolate(curve, 500.0) == (2.0, False)
+    rows = [
+        _elastic_row("fault-free", 400, 10, 4.0, 2.0, 2.0),
+        # 3 1/3 workers alive on average: 10 tokens/s each fault-free, 30 measured
+        _elastic_row("kill", 300, 10, 10 / 3, 2.0, 2.5 * 1.005),
+        _elastic_row("straggler", 400, 20, 4.0, 1.0, 2.0),
+        _elastic_row("join", 400, 10, 4.5, 2.0, 2.0,
+                     joiner={"rounds_to_first_contribution": 2}),
+    ]
+    bench_elastic.compare(rows, curve)
+    kill = rows[1]
+    assert kill["goodput_rel"] == pytest.approx(0.9)
+    assert kill["fast_rel"] == 1.0 and kill["eval_gap"] == pytest.approx(0.005)
+    assert rows[2]["fast_rel"] == 0.5
+    met = {t["target"]: t["met"] for t in bench_elastic.targets(rows)}
+    assert met["kill: goodput >= 0.88"] == "yes"
+    assert met["straggler: fast workers lose <= 5% throughput"] == "no"
+    assert met["joiner's first contribution within 2 rounds"] == "yes"
+    assert met["audit: lost = double = 0 in every scenario"] == "yes"
+    report = {"environment": bench_elastic.environment([], "benchmarks.bench_elastic"),
+              "wall_seconds": 1.0, "results": {"rows": rows},
+              "settings": {"steps": 36, "sync_every": 6, "model": "m", "slow_factor": 3.0,
+                           "tokens_per_step": 512, "lease_s": 3.0, "grace_min_s": 0.1,
+                           "grace_max_s": 3.0},
+              "targets": bench_elastic.targets(rows)}
+    bench_elastic.publish("elastic", report, bench_elastic.markdown, tmp_path)
+    md = (tmp_path / "elastic.md").read_text()
+    assert "| w3 SIGKILLed at 1/3, never back |" in md and "0.900" in md
+    assert "lease_s = 3" in md
+
+
+def test_diloco_bench_elastic_is_wired():
+    """`diloco bench elastic` = `--only elastic`: run_all runs bench_elastic (quick:
+    tiny sizes, no MLflow flag it would refuse)."""
+    assert "elastic" in run_all.BENCHMARKS
+    cmd = run_all.command("elastic", True, False, RESULTS)
+    assert cmd[1:3] == ["-m", "benchmarks.bench_elastic"] and "quick-elastic" in cmd
+    args = bench_elastic.parser().parse_args(cmd[3:])
+    assert args.out == "quick-elastic" and not args.mlflow
+    from typer.testing import CliRunner  # noqa: PLC0415
+
+    from cli.app import app  # noqa: PLC0415
+
+    bad = CliRunner().invoke(app, ["bench", "elastic", "speed"])  # names as arguments
+    assert bad.exit_code == 2 and "unknown speed" in bad.output and "elastic" in bad.output
