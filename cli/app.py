@@ -6,6 +6,7 @@
     diloco resume tiny-20260101-120000
     diloco cancel tiny-20260101-120000
     diloco gc tiny-20260101-120000      # --apply deletes what resume and audit no longer need
+    diloco join tiny-20260101-120000 --worker region-c   # and diloco leave ... --worker W
     diloco run --store local-s3         # the same on SeaweedFS, a real S3 server here
     diloco deploy                       # infra/prefect.yaml on $PREFECT_API_URL
     diloco bucket setup s3://b/runs --workers region-a,region-b --dry-run
@@ -26,6 +27,7 @@ from cli.compare import compare_command
 from cli.data import prepare_data
 from cli.deploy import deploy
 from cli.gc import gc
+from cli.members import join, leave
 from cli.status import cancel, status
 from cli.store import store_app
 from cli.train import resume, run
@@ -39,6 +41,7 @@ HELP = """Train one language model across regions with Streaming DiLoCo.
   diloco resume RUN
   diloco cancel RUN
   diloco gc RUN [--apply]      what the run no longer needs (a dry run without --apply)
+  diloco join RUN --worker W   add a worker to a running run; diloco leave RUN --worker W
   diloco run --store local-s3  the same on a real S3 server here (SeaweedFS)
   diloco store serve           serve that store to read or resume its runs
   diloco deploy                infra/prefect.yaml on $PREFECT_API_URL
@@ -59,6 +62,8 @@ app.command()(resume)
 app.command()(status)
 app.command()(cancel)
 app.command()(gc)
+app.command()(join)
+app.command()(leave)
 app.command()(deploy)
 app.command("prepare-data")(prepare_data)
 app.command()(bench)

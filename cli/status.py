@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from cli.console import console, errors, fail, quiet_logs, shown
+from cli.members import members, print_members
 from cli.progress import print_status
 from cli.train import open_named_run
 from flows import cancel as cancelling
@@ -25,14 +26,17 @@ def status(
     url, exchange = open_named_run(run)
     launcher, cancel = read_launcher(exchange.store), cancel_request(exchange.store)
     size = usage(exchange.store)  # one listing of the run's objects
+    rows = members(exchange)
     if as_json:
-        print(json.dumps({"run_url": url, **snapshot(exchange), "launcher": launcher,
+        print(json.dumps({"run_url": url, **snapshot(exchange), "members": rows,
+                          "launcher": launcher,
                           "cancel": cancel, "store": {"bytes": size.total_bytes,
                                                       "objects": size.total_objects,
                                                       "by_kind": size.as_dict()}},
                          indent=1, default=str))
         return
     print_status(console, exchange, shown(url), launcher, cancel, size)
+    print_members(rows)
 
 
 def cancel(

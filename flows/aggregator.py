@@ -193,11 +193,13 @@ def run_aggregator_job(
         return dict(last_eval)
 
     def on_round(report: RoundReport) -> None:
-        present = [w for w in report.weights if w in counted["rounds_by_worker"]]
-        for w in present:
-            counted["rounds_by_worker"][w] += 1
+        present = [w for w in report.weights if "@" not in w]  # on time; joiners too
+        # a late contribution (``w@r``, applied in this mean) counts for its round
+        applied = [w.partition("@")[0] for w in report.weights]
+        for w in applied:
+            counted["rounds_by_worker"][w] = counted["rounds_by_worker"].get(w, 0) + 1
         counted["counted_rounds"] += 1
-        counted["participants_total"] += len(present)
+        counted["participants_total"] += len(applied)
         evaluated = maybe_evaluate()
         progress("running", force=True)  # a small write per round: the counts stay exact
         traffic = moved()
@@ -206,9 +208,12 @@ def run_aggregator_job(
                           if "eval_loss" in evaluated else "")
         rejected = (f" ({len(report.rejected)} rejected: {', '.join(report.rejected)})"
                     if report.rejected else "")
-        flow_log("round %d of fragment %d applied (%d of %d rounds): %d of %d workers%s%s; "
+        late = (f" (+{report.late} late)" if report.late else "") + (
+            f" ({report.dropped} dropped as stale)" if report.dropped else "")
+        flow_log("round %d of fragment %d applied (%d of %d rounds): %d of %d members%s%s%s; "
                  "aggregator up %.2f MB, down %.2f MB", report.round, report.fragment,
-                 sum(agg.next_round), total, len(present), len(manifest.workers), rejected,
+                 sum(agg.next_round), total, len(present),
+                 report.expected or len(manifest.workers), late, rejected,
                  evaluated_text, traffic["bytes_up"] / 1e6, traffic["bytes_down"] / 1e6)
 
     stalled: list[dict[str, Any]] = []

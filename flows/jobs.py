@@ -37,7 +37,7 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_STOPPED = 143  # interrupted or cancelled, checkpoint saved (128 + SIGTERM)
 
-EXIT_CODES = {"finished": EXIT_FINISHED, "interrupted": EXIT_STOPPED,
+EXIT_CODES = {"finished": EXIT_FINISHED, "left": EXIT_FINISHED, "interrupted": EXIT_STOPPED,
               "cancelled": EXIT_STOPPED, "failed": EXIT_FAILED}
 
 
@@ -174,3 +174,110 @@ def run_id_of(run_url: str | None) -> str:
 def print_result(result: dict[str, Any]) -> None:
     """The last line a job prints: its result as JSON (parsed by tests and tools)."""
     print(json.dumps(result, default=str), flush=True)
+
+
+def to_launch(exchange: Exchange, snap: dict[str, Any]) -> list[str]:
+    """The jobs a start or a resume launches: the aggregator unless it finished, and
+    every member that has neither finished nor left: the manifest's workers and the
+    workers that joined mid-run (relaunched as members, without ``--join``: their
+    record exists). A worker that left is done and never relaunched."""
+    from diloco.membership import has_left, read_json  # noqa: PLC0415
+    from storage import layout  # noqa: PLC0415
+
+    joined = [m["worker"] for m in run_members(exchange) if m.get("joined")]
+    todo = []
+    for w in [*exchange.manifest.workers, *joined]:
+        status = snap["workers"].get(w) or read_json(exchange.store,
+                                                     layout.member_status(w)) or {}
+        if status.get("state") in ("finished", "left") or has_left(exchange.store, w):
+            continue
+        todo.append(w)
+    if snap["aggregator"].get("state") != "finished":
+        todo.insert(0, "aggregator")
+    return todo
+
+
+def run_members(exchange: Exchange) -> list[dict[str, Any]]:
+    """The run's members as the store has them (best effort: [] if unreadable)."""
+    from diloco.membership import members_of  # noqa: PLC0415
+
+    try:
+        return members_of(exchange.store, exchange.manifest)
+    except Exception as exc:  # noqa: BLE001 - a view; never stops a run
+        log.warning("could not read the members: %s", exc)
+        return []
+
+
+def record_jobs(store: ObjectStore, launcher: Any) -> None:
+    """``members/launcher.json``: this launcher's jobs, and those another command
+    added (``diloco join``'s), kept."""
+    from flows.control import read_launcher, write_launcher  # noqa: PLC0415
+
+    mine = launcher.record()
+    before = read_launcher(store) or {}
+    others = {n: j for n, j in (before.get("jobs") or {}).items()
+              if n not in mine["jobs"]} if before.get("backend") == mine["backend"] else {}
+    write_launcher(store, {**mine, "jobs": {**others, **mine["jobs"]}})
+
+
+def as_task(name: str, fn: Any) -> Any:
+    """A stage of the train flow as a Prefect task named ``name`` (no cache: each
+    call does its work)."""
+    from prefect import task  # noqa: PLC0415
+    from prefect.cache_policies import NO_CACHE  # noqa: PLC0415
+
+    return task(fn, name=name, task_run_name=name,
+                cache_policy=NO_CACHE)
+
+
+def rename_flow_run(name: str) -> None:
+    """Name the current flow run (best effort)."""
+    from prefect import get_client  # noqa: PLC0415
+    from prefect.runtime import flow_run  # noqa: PLC0415
+
+    if not flow_run.id or flow_run.name == name:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_name(flow_run.id, name)
+    except Exception as exc:  # noqa: BLE001 - a name never stops a run
+        log.warning("could not name the flow run %s: %s", name, exc)
+
+
+def member_set(rows: list[dict[str, Any]] | None) -> str:
+    """``; members: a (slot 0), c (joined, slot 2), b (left)`` for the progress
+    artifact; "" before the members are known."""
+    if not rows:
+        return ""
+    out = []
+    for m in rows:
+        tags = (["joined"] if m.get("joined") else []) + (
+            ["left"] if m.get("left") else [f"slot {m['slot']}"] if m.get("slot") is not None
+            else ["waiting for admission"])
+        out.append(f"{m['worker']} ({', '.join(tags)})")
+    return "; members: " + ", ".join(out)
+
+
+def with_joiners(report: dict[str, Any], exchange: Exchange,
+                 members: list[dict[str, Any]]) -> dict[str, Any]:
+    """The report with a row per worker that joined mid-run (the manifest's workers
+    have theirs), its tokens and bytes in the totals, and ``members``."""
+    report["members"] = members
+    g = report["global"]
+    for m in members:
+        if not m.get("joined") or any(w["worker"] == m["worker"] for w in report["workers"]):
+            continue
+        s = read_status(exchange.store, m["worker"]) or {}
+        row = {"worker": m["worker"], "state": s.get("state", "not started"),
+               "steps": s.get("step", 0), "total_steps": s.get("total_steps",
+                                                               exchange.manifest.total_steps),
+               "tokens": s.get("tokens", 0), "bytes_up": s.get("bytes_up", 0),
+               "bytes_down": s.get("bytes_down", 0), "wait_s": s.get("wait_s", 0.0),
+               "loss": s.get("loss"), "eval_loss": s.get("eval_loss")}
+        report["workers"].append(row)
+        g["tokens"] = (g.get("tokens") or 0) + (row["tokens"] or 0)
+        for key, part in (("bytes_up", "workers_bytes_up"), ("bytes_down", "workers_bytes_down")):
+            g[part] = (g.get(part) or 0) + (row[key] or 0)
+            g[key] = (g.get(key) or 0) + (row[key] or 0)
+            g["bytes_total"] = (g.get("bytes_total") or 0) + (row[key] or 0)
+    return report

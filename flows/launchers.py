@@ -47,8 +47,10 @@ class LaunchError(Exception):
 class Launcher(Protocol):
     backend: str
 
-    def start(self, run_url: str, name: str) -> None:
-        """Launch the job ``name``: a worker's name, or ``aggregator``."""
+    def start(self, run_url: str, name: str, *, join: bool = False,
+              claim: str | None = None) -> None:
+        """Launch the job ``name``: a worker's name, or ``aggregator``; ``join``: a
+        worker joining the running run (``claim``: its membership record's id)."""
 
     def poll(self) -> dict[str, str]:
         """The state of every job launched so far."""
@@ -78,7 +80,10 @@ class LocalLauncher:
 
     def __init__(self, *, storage_options: dict | None = None, nproc: int = 1,
                  log_dir: str | Path | None = None, evaluate: bool = True,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, detached: bool = False):
+        """``detached``: the jobs outlive this process (``diloco join`` starts one
+        and exits): no ``--exit-with-parent``."""
+        self.detached = detached
         self.storage_options = storage_options
         self.nproc = nproc
         self.log_dir = Path(log_dir) if log_dir else None
@@ -98,22 +103,30 @@ class LocalLauncher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return self.log_dir
 
-    def command(self, run_url: str, name: str) -> list[str]:
+    def command(self, run_url: str, name: str, *, join: bool = False,
+                claim: str | None = None) -> list[str]:
         if name == AGGREGATOR:
             cmd = [sys.executable, "-m", "flows.aggregator", "--run", run_url]
             if not self.evaluate:
                 cmd.append("--no-eval")
         else:
             cmd = [sys.executable, "-m", "flows.worker", "--run", run_url, "--worker", name,
-                   "--nproc", str(self.nproc)]
-        return [*cmd, "--exit-with-parent"]
+                   "--nproc", str(1 if join else self.nproc)]
+            if join:
+                cmd.append("--join")
+            if claim:
+                cmd += ["--claim", claim]
+        return cmd if self.detached else [*cmd, "--exit-with-parent"]
 
-    def start(self, run_url: str, name: str) -> None:
-        cmd = self.command(run_url, name)
+    def start(self, run_url: str, name: str, *, join: bool = False,
+              claim: str | None = None) -> None:
+        cmd = (self.command(run_url, name, join=join, claim=claim) if join or claim
+               else self.command(run_url, name))
         path = self._logs_for(run_url) / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env,
-               # --exit-with-parent: the job checks this before its slow imports
-               "DILOCO_LAUNCHER_PID": str(os.getpid())}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env.pop("DILOCO_LAUNCHER_PID", None)
+        if not self.detached:  # --exit-with-parent: the job checks it before slow imports
+            env["DILOCO_LAUNCHER_PID"] = str(os.getpid())
         if self.storage_options:  # never on the command line, where ps shows it
             env["DILOCO_STORAGE_OPTIONS"] = json.dumps(self.storage_options)
         with open(path, "ab") as out:
@@ -234,20 +247,26 @@ class DeploymentLauncher:
             return self.aggregator_deployment
         return self.worker_deployment.format(worker=name)
 
-    def parameters(self, run_url: str, name: str) -> dict[str, Any]:
+    def parameters(self, run_url: str, name: str, *, join: bool = False,
+                   claim: str | None = None) -> dict[str, Any]:
         params: dict[str, Any] = {"run_url": refuse_credentials(run_url, what="run_url")}
         if name == AGGREGATOR:
             if not self.evaluate:
                 params["evaluate"] = False
         else:
             params["worker"] = name
-            if self.nproc:
+            if self.nproc and not join:
                 params["nproc"] = self.nproc
+            if join:
+                params["join"] = True
+            if claim:
+                params["claim"] = claim
         if self.storage_options:
             params["storage_options"] = self.storage_options
         return params
 
-    def start(self, run_url: str, name: str) -> None:
+    def start(self, run_url: str, name: str, *, join: bool = False,
+              claim: str | None = None) -> None:
         from prefect.deployments import run_deployment  # noqa: PLC0415
 
         attempt = self.attempts.get(name, 0) + 1
@@ -257,7 +276,8 @@ class DeploymentLauncher:
         run_id = run_url.rstrip("/").rsplit("/", 1)[-1]
         try:
             flow_run = run_deployment(
-                deployment, parameters=self.parameters(run_url, name), timeout=0,
+                deployment, parameters=self.parameters(run_url, name, join=join, claim=claim),
+                timeout=0,
                 idempotency_key=key, flow_run_name=f"{run_id}/{name}",
                 tags=["diloco", f"run:{run_id}"],
             )
@@ -302,7 +322,8 @@ class DeploymentLauncher:
                     [n for n, s in self.poll().items() if s == "running" and n in names])
 
     def record(self) -> dict[str, Any]:
-        return {"backend": self.backend, "key": self.key, "jobs": {
+        return {"backend": self.backend, "key": self.key,
+                "worker_deployment": self.worker_deployment, "jobs": {
             name: {"flow_run": run_id, "deployment": self.deployments[name]}
             for name, run_id in self.flow_runs.items()}}
 

@@ -34,15 +34,22 @@ from typing import Any, Literal, TypeVar
 from prefect import flow
 from prefect.states import Cancelled
 
-from flows.control import cancel_request, clear_cancel, request_cancel, write_launcher
+from flows.control import cancel_request, clear_cancel, request_cancel
 from flows.jobs import (
+    as_task,
     close_hooks,
     flow_log,
     job_hooks,
+    member_set,
+    record_jobs,
     record_not_logged,
     refuse_secret_parameters,
+    rename_flow_run,
     run_id_of,
+    run_members,
     set_state,
+    to_launch,
+    with_joiners,
 )
 from flows.launchers import AGGREGATOR, DeploymentLauncher, Launcher, LocalLauncher
 from storage.backends import refuse_credentials
@@ -60,6 +67,11 @@ log = logging.getLogger(__name__)
 
 #: Seconds a job gets to checkpoint after SIGTERM / Cancelling before it is killed.
 STOP_GRACE_S = 60.0
+#: Once the aggregator has finished, how long the workers get to end by themselves
+#: (their last mean, a final evaluation) before they are stopped.
+FINISH_GRACE_S = 120.0
+#: How often the train job reads the run's members (a listing) while it follows it.
+MEMBERS_EVERY_S = 10.0
 
 
 T = TypeVar("T", bound=Callable[..., Any])
@@ -122,10 +134,7 @@ def run_train(
                       n_params=sum(f.numel for f in exchange.manifest.fragments))
 
     snap = snapshot(exchange)
-    todo = [w for w in exchange.manifest.workers
-            if snap["workers"][w].get("state") != "finished"]
-    if snap["aggregator"].get("state") != "finished":
-        todo.insert(0, AGGREGATOR)
+    todo = to_launch(exchange, snap)
     state, message = "finished", ""
     try:
         if todo:
@@ -134,7 +143,7 @@ def run_train(
             workers = [n for n in todo if n != AGGREGATOR]
             if workers:
                 stage("launch-workers", _launch)(launcher, run_url, workers)
-            write_launcher(store, launcher.record())
+            record_jobs(store, launcher)
             state, message = stage("wait", _follow)(
                 exchange, store, launcher, run_url, on_progress, poll_s=poll_s,
                 stop_grace_s=stop_grace_s, restarts=restarts)
@@ -151,13 +160,14 @@ def run_train(
     else:
         raised = False
     finally:  # stop whatever still runs, then report, whatever ended the run
-        stop_all(launcher, exchange.manifest.workers, stop_grace_s)
+        stop_all(launcher, stop_grace_s)
         if todo:
-            write_launcher(store, launcher.record())
+            record_jobs(store, launcher)
         # after an exception (a signal among them), no task: only what must be done
         report = (plain if raised else stage)("report", build_report)(
             exchange, run_url=run_url, state=state,
             wall_seconds=time.monotonic() - start, message=message)
+        with_joiners(report, exchange, run_members(exchange))
         hooks.run_finished(report)
         lost = close_hooks(hooks)
         if lost:
@@ -203,11 +213,11 @@ def _launch(launcher: Launcher, run_url: str, names: list[str]) -> None:
         flow_log("launched %s (%s)", name, launcher.backend)
 
 
-def stop_all(launcher: Launcher, workers: list[str], grace: float) -> None:
+def stop_all(launcher: Launcher, grace: float) -> None:
     """Stop the running jobs: workers first, then the aggregator."""
     states = launcher.poll()
     running = [n for n, s in states.items() if s == "running"]
-    first = [n for n in running if n in workers]
+    first = [n for n in running if n != AGGREGATOR]
     if first:
         launcher.stop(first, grace)
     if AGGREGATOR in running:
@@ -217,10 +227,18 @@ def stop_all(launcher: Launcher, workers: list[str], grace: float) -> None:
 def _follow(exchange: Exchange, store: ObjectStore, launcher: Launcher, run_url: str,
             on_progress: Callable[[dict[str, Any]], None] | None, *, poll_s: float,
             stop_grace_s: float, restarts: int) -> tuple[str, str]:
-    """Follow the jobs until they have all ended: (state, message)."""
+    """Follow the jobs until they have all ended, or the aggregator has finished and
+    the workers had ``FINISH_GRACE_S`` to end (a worker that left or died for good
+    never finishes; the run is done when its last rounds are): (state, message)."""
     left = dict.fromkeys(launcher.poll(), restarts)
+    members: list[dict[str, Any]] = []
+    read_at = -float("inf")
+    finished_at: float | None = None
     while True:
         snap = snapshot(exchange)
+        if time.monotonic() - read_at > MEMBERS_EVERY_S:
+            members, read_at = run_members(exchange), time.monotonic()
+        snap["members"] = members
         if on_progress is not None:
             try:
                 on_progress(snap)
@@ -229,9 +247,20 @@ def _follow(exchange: Exchange, store: ObjectStore, launcher: Launcher, run_url:
         request = cancel_request(store)
         if request is not None:
             log.info("cancel requested by %s; stopping the jobs", request.get("by"))
-            stop_all(launcher, exchange.manifest.workers, stop_grace_s)
+            stop_all(launcher, stop_grace_s)
             return "cancelled", f"cancelled by {request.get('by')}: {request.get('reason')}"
         states = launcher.poll()
+        if states.get(AGGREGATOR) == "finished":
+            finished_at = finished_at or time.monotonic()
+            running = [n for n, st in states.items() if st == "running"]
+            if not running or time.monotonic() - finished_at > FINISH_GRACE_S:
+                if running:
+                    log.warning("the aggregator finished; stopping %s", ", ".join(running))
+                if on_progress is not None:
+                    on_progress({**snapshot(exchange), "members": run_members(exchange)})
+                return "finished", ""
+            time.sleep(poll_s)
+            continue
         for name, state in states.items():
             if state not in ("failed", "stopped"):
                 continue
@@ -244,7 +273,7 @@ def _follow(exchange: Exchange, store: ObjectStore, launcher: Launcher, run_url:
                 log.warning("%s failed (%s); relaunching it (it resumes from the store)",
                             name, error)
                 launcher.start(run_url, name)
-                write_launcher(store, launcher.record())
+                record_jobs(store, launcher)
                 continue
             how = "failed" if state == "failed" else "stopped without a cancel request"
             return "failed", (f"{name} {how}: {error}. {launcher.where(name)}\n"
@@ -282,7 +311,8 @@ class Artifacts:
             flow_log("%s", progress_line(snap))
         self.rounds, self.last = rounds, time.monotonic()
         percent = 100.0 * fraction_done(snap)
-        description = rounds_applied(rounds, snap["total_rounds"])
+        description = rounds_applied(rounds, snap["total_rounds"]) + member_set(
+            snap.get("members"))
         try:
             if self.progress_id is None:
                 self.progress_id = create_progress_artifact(
@@ -337,16 +367,6 @@ def progress_line(snap: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def as_task(name: str, fn: T) -> T:
-    """A stage of the train flow as a Prefect task named ``name`` (no cache: each
-    call does its work)."""
-    from prefect import task  # noqa: PLC0415
-    from prefect.cache_policies import NO_CACHE  # noqa: PLC0415
-
-    return task(fn, name=name, task_run_name=name,  # type: ignore[return-value]
-                cache_policy=NO_CACHE)
-
-
 def train_run_name() -> str:
     """The train flow run's name: the run's id when the run URL is given, else
     ``train`` (renamed to the run id once the flow has chosen it)."""
@@ -354,20 +374,6 @@ def train_run_name() -> str:
 
     params = flow_run.parameters or {}
     return run_id_of(params.get("run_url")) or "train"
-
-
-def rename_flow_run(name: str) -> None:
-    """Name the current flow run (best effort)."""
-    from prefect import get_client  # noqa: PLC0415
-    from prefect.runtime import flow_run  # noqa: PLC0415
-
-    if not flow_run.id or flow_run.name == name:
-        return
-    try:
-        with get_client(sync_client=True) as client:
-            client.set_flow_run_name(flow_run.id, name)
-    except Exception as exc:  # noqa: BLE001 - a name never stops a run
-        log.warning("could not name the flow run %s: %s", name, exc)
 
 
 def _cancel_children(flow, flow_run, state) -> None:  # noqa: ANN001 - Prefect hook signature

@@ -1,6 +1,7 @@
 """One worker job: train one worker (one island in one region) to the end.
 
     python -m flows.worker --run URL --worker region-a [--nproc 2]
+    python -m flows.worker --run URL --worker region-c --join [--claim ID]   # joins mid-run
 
 `run_worker_job` is plain Python (no Prefect API), so a local launcher can run it
 as a child process and a Prefect work pool through the `worker` flow. With one
@@ -75,16 +76,24 @@ def run_worker_job(
     hooks: Hooks | None = None,
     exit_with_parent: bool = False,
     cancel_poll_s: float = 2.0,
+    join: bool = False,
+    claim: str | None = None,
 ) -> dict[str, Any]:
     """Train ``worker`` of the run at ``run_url``; returns ``{"worker", "state", ...}``
-    where state is finished, interrupted (stopped by a signal) or cancelled (the
-    run's cancel request). Raises if training fails (the status says ``failed``)."""
+    where state is finished, left (it left the run on request), interrupted (stopped
+    by a signal) or cancelled (the run's cancel request). Raises if training fails
+    (the status says ``failed``). ``join``: the worker joins the running run (a name
+    not in its manifest; ``claim``: the id of its membership record)."""
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
+    if (join or claim) and nproc != 1:
+        raise ValueError("a joining worker runs as one process (nproc 1)")
     exchange = open_job_run(run_url, storage_options)  # before anything is written
-    if worker != "auto" and worker not in exchange.manifest.workers:
+    if worker != "auto" and worker not in exchange.manifest.workers and not (
+            join or joined_member(exchange.store, worker)):
         raise ValueError(f"worker {worker!r} is not one of the run's workers: "
-                         f"{', '.join(exchange.manifest.workers)}")
+                         f"{', '.join(exchange.manifest.workers)} (to add it: diloco join "
+                         f"RUN --worker {worker})")
     stop = stop or threading.Event()
     hooks = hooks or job_hooks(run_url, f"worker:{worker}", storage_options)
     control = ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-control")
@@ -102,7 +111,8 @@ def run_worker_job(
     try:
         with stop_on_signals(stop):
             if nproc == 1:
-                out = _in_process(run_url, worker, storage_options, stop, cancelled, hooks)
+                out = _in_process(run_url, worker, storage_options, stop, cancelled, hooks,
+                                  join=join, claim=claim)
             else:
                 out = _island(run_url, worker, storage_options, nproc, stop, cancelled, hooks)
     finally:
@@ -117,6 +127,19 @@ def run_worker_job(
     if not_logged:
         out["not_logged"] = not_logged
     return out
+
+
+def joined_member(store: ObjectStore, worker: str) -> bool:
+    """Whether ``worker`` joined the run mid-run (its ``members/{worker}.json`` says
+    ``join``): relaunched, it continues as that member."""
+    from diloco.membership import read_json  # noqa: PLC0415
+    from storage import layout  # noqa: PLC0415
+
+    try:
+        layout.check_name("worker", worker)
+    except ValueError:
+        return False
+    return bool((read_json(store, layout.member(worker)) or {}).get("join"))
 
 
 class FlowRunLog:
@@ -171,15 +194,19 @@ def _emit(worker: str, hooks: Hooks, flow_run_log: FlowRunLog | None = None):
 
 def _in_process(run_url: str, worker: str, storage_options: dict | None,
                 stop: threading.Event, cancelled: threading.Event,
-                hooks: Hooks) -> dict[str, Any]:
+                hooks: Hooks, *, join: bool = False, claim: str | None = None) -> dict[str, Any]:
     from workers.train import Interrupted, WorkerLoop  # noqa: PLC0415 - torch is slow to import
 
     flow_run_log = FlowRunLog(worker)
     try:
         loop = WorkerLoop(run_url, worker, storage_options=storage_options, stop=stop,
                           metrics=_emit(worker, hooks, flow_run_log),
-                          stop_patience_s=BLOCKED_PATIENCE_S)
+                          stop_patience_s=BLOCKED_PATIENCE_S, join=join, claim=claim)
     except Exception as exc:
+        from diloco.membership import MembershipError  # noqa: PLC0415
+
+        if isinstance(exc, MembershipError):  # a name not ours: its status is not ours
+            raise
         status = ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-status")
         set_state(status, worker, "failed", error=f"{type(exc).__name__}: {exc}")
         hooks.worker_finished(worker, {"error": str(exc)}, "failed")
@@ -192,7 +219,7 @@ def _in_process(run_url: str, worker: str, storage_options: dict | None,
     flow_log("%s: training from step %d of %d", worker, loop.step, loop.cfg.train.steps)
     try:
         result = loop.run().to_dict()
-        state = "finished"
+        state = result.get("state") or "finished"  # or "left": it left the run
     except Interrupted as exc:
         # exc.saved is False when it was stopped while blocked on a mean: no new
         # checkpoint, it resumes from its last periodic one (the loop says so in its
@@ -281,12 +308,16 @@ def worker_run_name() -> str:
 
 
 @flow(name="worker", log_prints=True, flow_run_name=worker_run_name)
-def worker(run_url: str, worker: str, storage_options: dict | None = None, nproc: int = 1):
+def worker(run_url: str, worker: str, storage_options: dict | None = None, nproc: int = 1,
+           join: bool = False, claim: str | None = None):
     """One worker of a run, in this work pool's region: trains to the end, resuming
-    from its checkpoints; a cancelled flow run checkpoints before it stops."""
+    from its checkpoints; a cancelled flow run checkpoints before it stops.
+    ``join=True`` adds a worker of a new name to the running run (``claim``: its
+    membership record's id, so a retried flow run is the same joiner); a worker
+    that leaves the run (``diloco leave``) ends Completed with state ``left``."""
     refuse_secret_parameters(storage_options)
-    out = run_worker_job(run_url, worker, storage_options, nproc)
-    if out["state"] != "finished":
+    out = run_worker_job(run_url, worker, storage_options, nproc, join=join, claim=claim)
+    if out["state"] not in ("finished", "left"):
         return Cancelled(message=f"worker {worker} {out['state']} after step "
                                  f"{out.get('steps', out.get('step'))}; checkpoint saved")
     return out
@@ -298,6 +329,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, help="the run's URL")
     p.add_argument("--worker", required=True, help="the worker's name (one of the run's)")
     p.add_argument("--nproc", type=int, default=1, help="processes in the island (torchrun)")
+    p.add_argument("--join", action="store_true",
+                   help="join the running run as a new worker (a name not in its manifest)")
+    p.add_argument("--claim", default=None,
+                   help="the id of the join's membership record (diloco join makes one)")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop (after a checkpoint) if the launching process dies")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -330,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                      daemon=True).start()
     try:
         out = run_worker_job(args.run, args.worker, options, args.nproc, stop=stop,
-                             exit_with_parent=args.exit_with_parent)
+                             exit_with_parent=args.exit_with_parent, join=args.join,
+                             claim=args.claim)
     except (ValueError, *usage_errors()) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -35,7 +35,9 @@ class Hooks:
         seconds, grad_norm, and when evaluated, eval_loss and perplexity of the
         canonical model, plus bytes_up / bytes_down of the aggregator (cumulative,
         all its traffic) and, optionally, bytes_checkpoints: how many of its bytes up
-        were canonical checkpoints (``global/``), shown apart in the totals."""
+        were canonical checkpoints (``global/``), shown apart in the totals; late,
+        dropped and expected: contributions of earlier rounds applied in this mean,
+        contributions dropped as stale, members the round waited for."""
 
     def aggregator_stalled(self, stalls: list[dict[str, Any]]) -> None:
         """No round was applied for a while: per open (fragment, round), the workers

@@ -17,7 +17,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-ROUND_EXTRAS = ("eval_loss", "perplexity", "bytes_up", "bytes_down", "bytes_checkpoints")
+ROUND_EXTRAS = ("eval_loss", "perplexity", "bytes_up", "bytes_down", "bytes_checkpoints",
+                "late", "dropped", "expected")
+
+
+def on_time(weights: dict[str, Any]) -> dict[str, Any]:
+    """The weights of the round's own contributions: a late one (of an earlier
+    round, applied in this mean) is keyed ``worker@round`` and counted in ``late``."""
+    return {w: v for w, v in weights.items() if "@" not in w}
 
 
 def is_number(value: Any) -> bool:
@@ -41,7 +48,7 @@ def numbers(report: dict[str, Any], ts: int, step: int, *, prefix: str = "",
 def round_size(report: dict[str, Any]) -> int:
     """How many metrics `round_metrics` makes of a report (counted before the
     schedule is known): six, one weight per worker, the extras, inner_step."""
-    return 7 + len(report.get("weights") or {}) + sum(
+    return 7 + len(on_time(report.get("weights") or {})) + sum(
         1 for k in ROUND_EXTRAS if is_number(report.get(k)))
 
 
@@ -70,7 +77,7 @@ def round_metrics(report: dict[str, Any], schedule: dict[str, int], ts: int,
     module docstring; at ``k`` without a schedule)."""
     metric = _metric_type()
     p = int(report.get("fragment", 0))
-    weights = report.get("weights") or {}
+    weights = on_time(report.get("weights") or {})  # participation: on time
     inner = inner_step(k, schedule)
     step = k if inner is None else inner
     out = [metric(f"grad_norm/frag{p}", float(report.get("grad_norm", math.nan)), ts, step),

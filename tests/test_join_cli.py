@@ -1,0 +1,191 @@
+"""``diloco join``, ``diloco leave`` and the members of ``diloco status``, run as a
+user runs them: a worker joins a running local run (its contributions land in the
+means), another leaves it, and the run still finishes; every refusal is one line,
+exit 2, and writes nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cli_runs import SHORT, clean_env
+
+DILOCO = str(Path(sys.executable).parent / "diloco")
+
+
+def env(cwd: Path) -> dict[str, str]:
+    return clean_env(cwd, MLFLOW_TRACKING="0", DILOCO_TRACKING="off")
+
+
+def diloco(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([DILOCO, *args], cwd=cwd, env=env(cwd), text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def listing(run: Path) -> dict[str, int]:
+    return {str(p.relative_to(run)): p.stat().st_size for p in run.rglob("*") if p.is_file()}
+
+
+def settings(*items: str) -> list[str]:
+    out = list(SHORT)
+    for item in items:
+        out += ["--set", item]
+    return out
+
+
+def create(cwd: Path, name: str, *items: str) -> Path:
+    """A run created and never started (no job runs: its store does not change)."""
+    from workers.config import load_config
+    from workers.runs import create_run
+
+    run = cwd / "runs" / name
+    overrides = [x for x in settings(*items) if x != "--set"]
+    create_run(load_config("tiny", overrides), str(run))
+    return run
+
+
+@pytest.fixture(scope="module")
+def idle(tmp_path_factory) -> Path:
+    """Three runs that are created and not running: a diloco run with two workers
+    and slots to spare, one whose two slots are full, a data-parallel one."""
+    cwd = tmp_path_factory.mktemp("join-idle")
+    create(cwd, "open")
+    create(cwd, "full", "data.slots=2")
+    create(cwd, "dp", "train.strategy=data_parallel")
+    return cwd / "runs"
+
+
+def one_line_error(out: subprocess.CompletedProcess, *words: str) -> None:
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def refused(result, *words: str) -> None:
+    """One line on stderr, exit 2 (the command run in this process)."""
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(("run", "args", "words"), [
+    ("nosuch", ["join", "--worker", "region-c"], ["no run 'nosuch'"]),
+    ("open", ["join", "--worker", "region-a"], ["'region-a' is taken", "another --worker"]),
+    ("open", ["join", "--worker", "bad name"], ["not valid"]),
+    ("open", ["join", "--worker", "aggregator"], ["reserved"]),
+    ("full", ["join", "--worker", "region-c"], ["no free data slot", "data.slots"]),
+    ("dp", ["join", "--worker", "region-c"], ["data_parallel", "only 'diloco'"]),
+    ("nosuch", ["leave", "--worker", "region-a"], ["no run 'nosuch'"]),
+    ("open", ["leave", "--worker", "region-z"], ["not a member", "region-a, region-b"]),
+])
+def test_a_refused_join_or_leave_is_one_line_and_writes_nothing(idle, in_process, run,
+                                                                args, words):
+    from cli.app import app
+
+    before = {p.name: listing(p) for p in idle.iterdir()}
+    target = str(idle / run) if run != "nosuch" else run
+    refused(in_process.invoke(app, [args[0], target, *args[1:]]), *words)
+    assert {p.name: listing(p) for p in idle.iterdir()} == before
+
+
+def test_a_taken_joiner_name_is_refused_once_claimed(idle, in_process):
+    """The second of two joins of one name: refused, nothing more written."""
+    from cli.app import app
+
+    run = idle / "open"
+    (run / "members").mkdir(exist_ok=True)
+    (run / "members" / "region-c.json").write_text(json.dumps(
+        {"name": "region-c", "join": True, "claim": "someone-else"}))
+    before = listing(run)
+    refused(in_process.invoke(app, ["join", str(run), "--worker", "region-c"]),
+            "'region-c' is taken")
+    assert listing(run) == before
+    (run / "members" / "region-c.json").unlink()
+
+
+def wait_for(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def rounds_applied(run: Path) -> int:
+    try:
+        status = json.loads((run / "members" / "aggregator" / "status.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    return int(status.get("rounds") or 0)
+
+
+def test_join_and_leave_a_running_run(tmp_path):
+    """A run of two workers: region-c joins, its contributions are in the means;
+    region-b leaves, the others stop waiting for it; the run finishes; status shows
+    the members; a finished run refuses joins and leaves with one line."""
+    run_cmd = [DILOCO, "run", *settings("train.steps=240", "train.checkpoint_every=40")]
+    proc = subprocess.Popen(run_cmd, cwd=tmp_path, env=env(tmp_path), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: (tmp_path / "runs").is_dir() and any((tmp_path / "runs").iterdir()),
+                 120, "the run to be created")
+        (run,) = (tmp_path / "runs").iterdir()
+        wait_for(lambda: rounds_applied(run) >= 2, 180, "two rounds applied")
+
+        joined = diloco(["join", run.name, "--worker", "region-c", "--wait"], tmp_path)
+        assert joined.returncode == 0, joined.stdout + joined.stderr
+        assert "region-c is joining" in joined.stdout
+        assert f"diloco status {run.name}" in joined.stdout
+        assert "region-c admitted: data slot 2" in joined.stdout
+        launched = json.loads((run / "members" / "launcher.json").read_text())
+        assert "--join" in launched["jobs"]["region-c"]["command"]
+        assert {"aggregator", "region-a", "region-b"} <= set(launched["jobs"])
+
+        left = diloco(["leave", run.name, "--worker", "region-b", "--wait"], tmp_path)
+        assert left.returncode == 0, left.stdout + left.stderr
+        assert "region-b left after step" in left.stdout
+        one_line_error(diloco(["leave", run.name, "--worker", "region-b"], tmp_path),
+                       "already left")
+
+        status = diloco(["status", run.name], tmp_path)
+        assert status.returncode == 0, status.stderr
+        table = status.stdout[status.stdout.index("members"):]
+        assert "region-c" in table and "region-b" in table
+        assert "region-c joined" in table and "region-b left after rounds" in table
+        members = {m["worker"]: m for m in json.loads(
+            diloco(["status", run.name, "--json"], tmp_path).stdout)["members"]}
+        assert members["region-c"]["joined"] and members["region-c"]["slot"] == 2
+        assert members["region-b"]["left"] and not members["region-a"]["left"]
+
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(60)
+    assert proc.returncode == 0, out[-4000:]
+    assert "finished" in out and "region-c" in out.split("finished in", 1)[1]
+    means = [json.loads(p.read_text()) for p in sorted(run.glob("frag/*/r*/mean.json"))]
+    with_c = [m for m in means if "region-c" in m["weights"]]
+    assert with_c, "no mean has region-c's contribution"
+    gone = json.loads((run / "members" / "region-b" / "left.json").read_text())["last_rounds"]
+    for p, last in enumerate(gone):
+        later = [m for m in means if m["fragment"] == p and m["round"] > last]
+        assert later and not any("region-b" in w for m in later for w in m["weights"])
+        # no one waits for it: at most the round open when it left still expected it
+        assert all("region-b" not in m["expected"] for m in later if m["round"] > last + 1)
+    # a finished run: nothing to join or leave, nothing written
+    before = listing(run)
+    one_line_error(diloco(["join", run.name, "--worker", "region-d"], tmp_path),
+                   "has finished")
+    one_line_error(diloco(["leave", run.name, "--worker", "region-a"], tmp_path),
+                   "has finished")
+    assert listing(run) == before
