@@ -1,11 +1,13 @@
 """Elastic membership under faults: workers killed, restarted, slow, joining.
 
     .venv/bin/python -m benchmarks.bench_elastic [--steps 120] [--sync-every 10] \\
-        [--scenarios fault-free,kill-restart,kill,straggler,join] [--quick]
+        [--scenarios fault-free,kill-restart,kill,straggler,join] [--step-s 0.25]
 
 Four workers (w0..w3) on the tiny recipe (streaming, P = 2, int4 up / int8 down)
-with a small model (``MODEL``, 2 x 64 wide, so that the run fits two shared cores;
-``--model`` for another), 64-token sequences, batch 8, every party a real
+with a small model (``MODEL``, 2 x 32 wide, so that the run fits two shared
+cores; ``--model`` for another) and ``--step-s`` of simulated accelerator time a
+step (a sleep, so that a worker's speed does not depend on how many others share
+the CPU), 64-token sequences, batch 8, every party a real
 process on a local directory store: ``python -m workers --run DIR --aggregate`` and
 one ``python -m benchmarks.bench_elastic worker ...`` per worker (the same
 WorkerLoop as ``python -m workers --worker W [--join]``, plus a line per step for
@@ -63,7 +65,8 @@ from benchmarks.report import (
 )
 
 # small enough that five scenarios of five processes fit in ~15 minutes on 2 cores
-MODEL = "{d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}"
+MODEL = "{d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}"
+STEP_S = [0.0]  # --step-s, for every worker this benchmark starts
 SCENARIOS = ("fault-free", "kill-restart", "kill", "straggler", "join")
 FAULTED, JOINER, FAST = "w3", "w4", ("w0", "w1", "w2")
 log = logging.getLogger("benchmarks.elastic")
@@ -93,6 +96,8 @@ def worker_main(argv: Sequence[str]) -> int:
     p.add_argument("--worker", required=True)
     p.add_argument("--join", action="store_true")
     p.add_argument("--slow", type=float, default=1.0, help="step time factor (sleep)")
+    p.add_argument("--step-s", type=float, default=0.0,
+                   help="simulated accelerator time per step (a sleep)")
     p.add_argument("--wait-go", action="store_true", help="READY, then wait for a line")
     p.add_argument("--preload", action="store_true",
                    help="with --wait-go: only import before READY; open the run after GO")
@@ -109,6 +114,8 @@ def worker_main(argv: Sequence[str]) -> int:
     def metrics(m: dict[str, Any]) -> None:
         if "loss" not in m:
             return
+        if a.step_s:
+            time.sleep(a.step_s)
         now = time.perf_counter()
         if a.slow > 1.0:
             time.sleep((a.slow - 1.0) * (now - last[0]))
@@ -203,7 +210,7 @@ class Proc:
 def _worker_cmd(url: str, name: str, *, join: bool = False, slow: float = 1.0,
                 wait_go: bool = False, preload: bool = False) -> list[str]:
     cmd = [sys.executable, "-m", "benchmarks.bench_elastic", "worker", "--run", url,
-           "--worker", name] + (["--wait-go"] if wait_go else []) + \
+           "--worker", name, "--step-s", str(STEP_S[0])] + (["--wait-go"] if wait_go else []) + \
         (["--wait-go", "--preload"] if preload else [])
     return cmd + (["--join"] if join else []) + (["--slow", str(slow)] if slow > 1 else [])
 
@@ -497,7 +504,10 @@ def markdown(report: dict[str, Any]) -> str:
         f"streaming P = 2, H = {s['sync_every']}, int4 up / int8 down, seed 0; every party "
         "a process on a local directory store. Short lease and grace so that a scenario "
         f"takes minutes: sync.lease_s = {s['lease_s']:g}, grace_min_s = "
-        f"{s['grace_min_s']:g}, grace_max_s = {s['grace_max_s']:g}. "
+        f"{s['grace_min_s']:g}, grace_max_s = {s['grace_max_s']:g}. Every worker sleeps "
+        f"{s.get('step_s', 0):g} s a step (simulated accelerator time: with 4-5 CPU-bound "
+        "workers on 2 cores, killing one would speed up the others); the straggler "
+        "sleeps so that its whole step takes 3x as long. "
         f"{env['machine']['cpu_count']} cores shared by the 5-6 processes and by other "
         "jobs on the machine (load average at start "
         f"{', '.join(f'{x:.1f}' for x in env['machine']['load_average_at_start'] or [])}): "
@@ -544,6 +554,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=MODEL, help="model.overrides")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--slow-factor", type=float, default=3.0)
+    p.add_argument("--step-s", type=float, default=0.25,
+                   help="simulated accelerator seconds per step (a sleep in every worker), "
+                   "so that on a few shared cores a worker's speed does not depend on how "
+                   "many others compete for the CPU; 0: CPU only")
     p.add_argument("--lease-s", type=float, default=5.0)
     p.add_argument("--grace-min-s", type=float, default=0.1)
     p.add_argument("--grace-max-s", type=float, default=3.0)
@@ -568,6 +582,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if unknown:
         parser().error(f"--scenarios: unknown {', '.join(sorted(unknown))}; allowed: "
                        f"{', '.join(SCENARIOS)}")
+    STEP_S[0] = args.step_s
     env = environment(argv, "benchmarks.bench_elastic")
     stop_on_sigterm()
     results, seconds = timed(lambda: run(args))
@@ -576,6 +591,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "settings": {"steps": args.steps, "sync_every": args.sync_every,
                      "model": args.model, "slow_factor": args.slow_factor,
                      "tokens_per_step": args.batch_size * 64, "lease_s": args.lease_s,
+                     "step_s": args.step_s,
                      "grace_min_s": args.grace_min_s, "grace_max_s": args.grace_max_s},
         "results": results, "targets": targets(results["rows"]),
     }
