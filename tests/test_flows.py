@@ -161,7 +161,9 @@ def test_cancel_mid_run_then_resume(data_url, tmp_path):
     assert statuses["region-a"]["step"] == 90
     g = report["global"]
     assert g["rounds"] == g["total_rounds"] == sum(ex.manifest.rounds)
-    assert g["participation"] == 1.0  # counted across the aggregator's restart
+    # counted across the aggregator's restart; one round reduced without a worker that
+    # was stopping for the cancel (the gate's grace ran out) may miss its contribution
+    assert g["participation"] >= 1.0 - 1.0 / (2 * g["total_rounds"]), g
     # a kill between a round's checkpoint and the status write loses one count
     assert all(g["total_rounds"] - 1 <= n <= g["total_rounds"]
                for n in g["rounds_by_worker"].values()), g
