@@ -189,3 +189,32 @@ def test_join_and_leave_a_running_run(tmp_path):
     one_line_error(diloco(["leave", run.name, "--worker", "region-a"], tmp_path),
                    "has finished")
     assert listing(run) == before
+
+
+def test_mlflow_round_metrics_count_on_time_late_dropped_and_expected(monkeypatch):
+    """A round's report with a late contribution (key ``worker@round``): participation
+    counts the contributions on time; late, dropped and expected are their own
+    metrics; no metric is named with '@' (MLflow refuses such names)."""
+    from tracking import metrics
+
+    report = {"fragment": 1, "round": 4, "weights": {"a": 0.4, "c": 0.4, "b@3": 0.2},
+              "rejected": {}, "seconds": 0.1, "grad_norm": 1.0, "late": 1, "dropped": 2,
+              "expected": 3}
+    found = {m.key: m.value for m in metrics.round_metrics(report, {}, 0, 9)}
+    assert found["participation"] == 2 and found["late"] == 1
+    assert found["dropped"] == 2 and found["expected"] == 3
+    assert not [k for k in found if "@" in k]
+    assert metrics.round_size(report) == len(found) + 1  # + inner_step, with a schedule
+
+
+def test_the_progress_artifact_names_the_member_set():
+    from flows.jobs import member_set
+
+    rows = [{"worker": "region-a", "slot": 0, "joined": False, "left": False},
+            {"worker": "region-b", "slot": 1, "joined": False, "left": True},
+            {"worker": "region-c", "slot": 2, "joined": True, "left": False},
+            {"worker": "region-d", "slot": None, "joined": True, "left": False}]
+    assert member_set(rows) == ("; members: region-a (slot 0), region-b (left), "
+                                "region-c (joined, slot 2), region-d (joined, waiting for "
+                                "admission)")
+    assert member_set(None) == ""
