@@ -218,3 +218,18 @@ def test_the_progress_artifact_names_the_member_set():
                                 "region-c (joined, slot 2), region-d (joined, waiting for "
                                 "admission)")
     assert member_set(None) == ""
+
+
+def test_a_joiner_is_launched_with_join_and_its_claim():
+    """Local: a detached process (it outlives `diloco join`) with --join --claim;
+    deployments: the worker flow's parameters join=True, claim."""
+    from flows.launchers import DeploymentLauncher, LocalLauncher
+
+    cmd = LocalLauncher(detached=True).command("s3://b/r", "region-c", join=True, claim="c1")
+    assert cmd[-3:] == ["--join", "--claim", "c1"]
+    assert cmd[cmd.index("--claim") + 1] == "c1" and "--exit-with-parent" not in cmd
+    assert "--exit-with-parent" in LocalLauncher().command("s3://b/r", "region-a")
+    params = DeploymentLauncher(key="k", nproc=2).parameters("s3://b/r", "region-c",
+                                                             join=True, claim="c1")
+    assert params == {"run_url": "s3://b/r", "worker": "region-c", "join": True,
+                      "claim": "c1"}
