@@ -29,6 +29,19 @@ aggregator: ``before-mean-commit`` (mean payload written, ``mean.json`` not yet
 created), and the product's hook stages ``published``, ``stepped``,
 ``checkpointed``.
 
+Kills at any key (elastic membership, tests/test_elastic_faults.py), ``key`` a
+glob (fnmatch) of store keys, firing the first time one matches::
+
+    {"action": "kill", "at": "before-put", "key": "members/*/left.json"}
+    {"action": "kill", "at": "after-put", "key": "frag/*/commits/region-c.json"}
+    {"action": "kill", "at": "after-get", "key": "members/region-c/admission.json"}
+
+``before-put`` / ``after-put``: around the create-only `ObjectStore.put_if_absent`
+of that key (every membership record, admission, left record and commit is one);
+``after-get``: just after `ObjectStore.get` of that key returned its bytes (an
+absent key raises and does not fire): e.g. a joiner that has read its admission
+and not yet bootstrapped.
+
 Plant kinds, all written into this worker's own slot of (p, r): ``flip`` (one
 byte of the chunk object flipped after hashing: bit rot), ``nan`` (a NaN block
 scale with valid checksums), ``shape`` (a vector one block too long, honestly
@@ -54,6 +67,7 @@ FAULTS_ENV = "DILOCO_FAULTS"
 FAULT_LOG_ENV = "DILOCO_FAULT_LOG"
 
 WORKER_KILLS = ("before-commit", "after-commit", "after-publish")
+KEY_KILLS = ("before-put", "after-put", "after-get")
 AGGREGATOR_KILLS = ("before-mean-commit", "published", "stepped", "checkpointed")
 PLANTS = ("flip", "nan", "shape", "replay", "huge")
 
@@ -127,6 +141,8 @@ def install(faults: list[dict], me: str) -> None:
 
         ObjectStore.put_if_absent = put_if_absent
 
+    install_key_kills(faults, me)
+
     sends = [(i, f) for i, f in enumerate(faults)
              if f["action"] == "plant" or f.get("at") == "after-publish"]
     if sends:
@@ -171,6 +187,43 @@ def install(faults: list[dict], me: str) -> None:
             real_init(self, *args, **kwargs)
 
         Aggregator.__init__ = init
+
+
+def install_key_kills(faults: list[dict], me: str) -> None:
+    """Kills at any store key (``before-put``, ``after-put``, ``after-get``)."""
+    from fnmatch import fnmatchcase
+
+    from storage.objectstore import ObjectStore
+
+    kills = [(i, f) for i, f in enumerate(faults)
+             if f["action"] == "kill" and f["at"] in KEY_KILLS]
+    if not kills:
+        return
+
+    def check(at: str, key: str) -> None:
+        for i, f in kills:
+            if f["at"] == at and fnmatchcase(key, f["key"]) and first_time(i):
+                die(f"{me} killed at {at} {key}")
+
+    if any(f["at"] != "after-get" for _, f in kills):
+        inner_put = ObjectStore.put_if_absent  # maybe already wrapped above
+
+        def put_if_absent(self, key, data):
+            check("before-put", key)
+            created = inner_put(self, key, data)
+            check("after-put", key)
+            return created
+
+        ObjectStore.put_if_absent = put_if_absent
+    if any(f["at"] == "after-get" for _, f in kills):
+        inner_get = ObjectStore.get
+
+        def get(self, key, *args, **kwargs):
+            data = inner_get(self, key, *args, **kwargs)
+            check("after-get", key)
+            return data
+
+        ObjectStore.get = get
 
 
 def plant(ex, prepared, kind: str, tokens: int, extra, real_publish):
