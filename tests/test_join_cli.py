@@ -233,3 +233,24 @@ def test_a_joiner_is_launched_with_join_and_its_claim():
                                                              join=True, claim="c1")
     assert params == {"run_url": "s3://b/r", "worker": "region-c", "join": True,
                       "claim": "c1"}
+
+
+def test_resume_relaunches_joined_members_and_never_one_that_left(tmp_path):
+    """What a start or `diloco resume` launches: the aggregator and every member that
+    neither finished nor left, the workers that joined mid-run included."""
+    from flows.jobs import to_launch
+    from workers.locate import open_run
+    from workers.report import snapshot
+
+    run = create(tmp_path, "r")
+    members = run / "members"
+    (members / "region-c").mkdir(parents=True)
+    (members / "region-c.json").write_text(json.dumps({"name": "region-c", "join": True,
+                                                       "claim": "c1"}))
+    (members / "region-c" / "admission.json").write_text(json.dumps({"slot": 2}))
+    exchange = open_run(str(run))
+    assert to_launch(exchange, snapshot(exchange)) == ["aggregator", "region-a", "region-b",
+                                                       "region-c"]
+    (members / "region-b").mkdir()
+    (members / "region-b" / "left.json").write_text(json.dumps({"last_rounds": [3, 3]}))
+    assert to_launch(exchange, snapshot(exchange)) == ["aggregator", "region-a", "region-c"]
