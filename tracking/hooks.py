@@ -28,7 +28,8 @@ class Hooks:
         tokens_per_s, wait_s, bytes_up, bytes_down, staleness; or step, eval_loss)."""
 
     def worker_finished(self, worker: str, result: dict[str, Any], state: str) -> None:
-        """A worker ended: ``state`` is finished, interrupted, failed or cancelled."""
+        """A worker ended: ``state`` is finished, left (it left the run: ``diloco
+        leave``), interrupted, failed or cancelled; ``result`` has its ``rebases``."""
 
     def aggregator_round(self, report: dict[str, Any]) -> None:
         """The aggregator applied a round: fragment, round, weights, rejected,
