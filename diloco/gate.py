@@ -124,6 +124,12 @@ class Gate:
             grace = min(grace, cfg.absent_deadline_s)
         if now - inbox.quorum_at < grace and now - inbox.first < cfg.deadline_s:
             return False
+        # before going on without someone: the newest membership (a leave, a lapse)
+        self.roster.refresh(force=True)
+        inbox.expected = self.expected(p, r)
+        missing = inbox.expected - inbox.arrived
+        if not missing:
+            return True
         log.warning(
             "aggregator %s: fragment %d round %d: reducing %d of %d expected members after "
             "%.1f s of grace (missing %s)", self.name, p, r,
@@ -146,7 +152,8 @@ class Gate:
         bound = self.config.max_staleness
         by_round: dict[int, list[str]] = {}
         for w, k in self.owed[p]:
-            by_round.setdefault(k, []).append(w)
+            if self.roster.takes_part(w, p, k):  # not one a member left before sending
+                by_round.setdefault(k, []).append(w)
         for k in sorted(by_round):
             names = set(self.exchange.committed_workers(p, k))
             for w in sorted(by_round[k]):

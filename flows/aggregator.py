@@ -157,7 +157,7 @@ def run_aggregator_job(
     previous = read_status(status_store, NAME) or {}
     # participation, counted as rounds are applied and kept across restarts
     counted = {"rounds_by_worker": dict.fromkeys(manifest.workers, 0), "counted_rounds": 0,
-               "participants_total": 0}
+               "participants_total": 0, "expected_total": 0}
     if previous.get("rounds_by_worker"):
         counted.update({k: previous[k] for k in counted if k in previous})
     # the bytes it moves, cumulative across restarts like the workers' (their counters
@@ -200,6 +200,7 @@ def run_aggregator_job(
             counted["rounds_by_worker"][w] = counted["rounds_by_worker"].get(w, 0) + 1
         counted["counted_rounds"] += 1
         counted["participants_total"] += len(applied)
+        counted["expected_total"] += max(report.expected, len(present))
         evaluated = maybe_evaluate()
         progress("running", force=True)  # a small write per round: the counts stay exact
         traffic = moved()

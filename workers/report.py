@@ -51,12 +51,14 @@ def fraction_done(snap: dict[str, Any]) -> float:
 
 
 def participation(aggregator_status: dict[str, Any], workers: list[str]) -> dict[str, Any]:
-    """From the aggregator's status: the mean fraction of workers in a round's mean,
-    and the rounds each worker took part in (counted as the rounds are applied)."""
+    """From the aggregator's status: the fraction of the contributions the rounds
+    expected that were applied (on time or late; members join and leave, so the
+    expected ones are counted per round), and the rounds each worker took part in."""
     counts = aggregator_status.get("rounds_by_worker") or {}
     applied = aggregator_status.get("participants_total")
     rounds = aggregator_status.get("counted_rounds") or 0
-    mean = applied / (rounds * len(workers)) if rounds and applied is not None else float("nan")
+    expected = aggregator_status.get("expected_total") or rounds * len(workers)
+    mean = min(1.0, applied / expected) if expected and applied is not None else float("nan")
     return {"participation": mean,
             "rounds_by_worker": {w: int(counts.get(w, 0)) for w in workers},
             "committed_rounds": rounds}
