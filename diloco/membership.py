@@ -44,6 +44,11 @@ log = logging.getLogger(__name__)
 IDLE = ("joining", "left", "finished")
 
 
+#: seconds a member that has not written its first status yet keeps its lease
+#: beyond ``lease_s`` (a job starting on a busy machine or a cold node)
+START_PATIENCE_S = 300.0
+
+
 class MembershipError(ValueError):
     """A join or leave that cannot be done (the message says why, in one line)."""
 
@@ -260,9 +265,14 @@ class Roster:
 
     # -- decisions ------------------------------------------------------------------
     def live(self, name: str) -> bool:
-        """Whether ``name`` holds its lease: a renewal seen within ``lease_s``."""
+        """Whether ``name`` holds its lease: a renewal seen within ``lease_s``. A
+        member never seen to renew yet (starting up: imports, data, the model) has
+        ``START_PATIENCE_S`` more, so a slow start does not cost it its first rounds."""
         m = self.members.get(name)
-        return m is not None and not m.left and self.clock() - m.seen <= self.lease_s
+        if m is None or m.left:
+            return False
+        patience = self.lease_s + (START_PATIENCE_S if m.stamp is None else 0.0)
+        return self.clock() - m.seen <= patience
 
     def is_member(self, name: str) -> bool:
         m = self.members.get(name)

@@ -155,6 +155,11 @@ def behind(loop: WorkerLoop) -> bool:
                    what=f"worker {loop.worker}: read where the run is", stop=loop.stop.is_set)
 
 
+def merged_at(loop: WorkerLoop, step: int) -> bool:
+    """Whether a fragment merged after inner step ``step`` (a place to leave)."""
+    return loop.sync is not None and any(e.kind == "merge" for e in loop.schedule.events(step))
+
+
 def asked_to_leave(loop: WorkerLoop) -> bool:
     return leave_requested(loop.store, loop.worker)
 

@@ -337,6 +337,10 @@ class WorkerLoop:
             return self._run()
         except Interrupted:
             raise
+        except elastic.RunFinished as exc:  # a straggler or late restart: nothing left
+            log.info("worker %s: %s", self.worker, exc)
+            self._status("finished", force=True, note=str(exc))
+            return self._result(time.perf_counter(), [], None)
         except MergeAbandoned as exc:
             # between an inner step and its merge: nothing consistent to save
             saved = checkpoint.latest_step(self.ckpt_store, self.worker) or 0
@@ -418,7 +422,7 @@ class WorkerLoop:
                 self.metrics({"worker": self.worker, "step": step, "eval_loss": eval_loss})
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
                 self.save()
-            if self._merged(step) and elastic.asked_to_leave(self):
+            if elastic.merged_at(self, step) and elastic.asked_to_leave(self):
                 return self._leave(start, losses)
 
         if self.sync is not None:
@@ -452,10 +456,6 @@ class WorkerLoop:
             state=state,
             rebases=self.sync.stats.rebases if self.sync else 0,
         )
-
-    def _merged(self, step: int) -> bool:
-        return self.sync is not None and any(
-            e.kind == "merge" for e in self.schedule.events(step))
 
     def _leave(self, start: float, losses: list[float]) -> WorkerResult:
         """``diloco leave``: at a merge point, commit, record, stop."""
