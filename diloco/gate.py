@@ -172,7 +172,9 @@ class Gate:
         send_step = self.send_step(p, r)
         for name, m in self.roster.members.items():
             if (name not in inbox.arrived and self.roster.takes_part(name, p, r)
-                    and m.state not in ("joining", "finished") and m.from_step <= send_step):
+                    and m.state != "finished" and m.from_step <= send_step):
+                # a joiner still catching up is owed too: the round it sends first may
+                # be one reduced while its status still said "joining"
                 keep.add((name, r))
         self.owed[p] = keep
         return late, dropped, absent

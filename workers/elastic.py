@@ -93,7 +93,7 @@ def take_seat(store: ObjectStore, manifest: RunManifest, cfg: RunConfig, worker:
                               "(nothing left to join)")
         claim_name(store, manifest, worker, claim or new_claim(), batch_size=batch)
         record = read_json(store, layout.member(worker)) or {}
-    elif join and claim is not None and record.get("claim") != claim:
+    elif join and record.get("claim") != claim:  # a relaunch without --join is a resume
         raise MembershipError(
             f"worker name {worker!r} is taken: run {manifest.run_id!r} already has a member "
             f"{worker!r} (members/{worker}.json); pick another --worker")
