@@ -156,3 +156,21 @@ def test_joining_a_finished_run_is_refused_and_nothing_is_written(dataset):
     with pytest.raises(MembershipError, match="finished"):
         WorkerLoop(run.url, "region-z", join=True)
     assert sorted(store.list("")) == before
+
+
+def test_heterogeneous_batches_are_weighted_by_tokens(dataset):
+    """region-b trains with half the batch (a smaller GPU): in every round both
+    arrive in, its weight is a third, region-a's two thirds."""
+    run = Run(dataset, "train.steps=16", "sync.quorum=1.0",
+              "data.worker_batch_size={region-b: 2}")
+    for w in run.cfg.workers:
+        run.start(w)
+    run.wait()
+    ex = open_exchange(run.url)
+    both = [c["weights"] for p in range(2) for r in range(ex.manifest.rounds[p])
+            if set((c := ex.mean_commit(p, r))["weights"]) == {"region-a", "region-b"}]
+    assert both
+    for weights in both:
+        assert weights["region-b"] == pytest.approx(1 / 3)
+        assert weights["region-a"] == pytest.approx(2 / 3)
+    assert run.results["region-b"].tokens * 2 == run.results["region-a"].tokens
