@@ -79,7 +79,7 @@ class Gate:
         #: members a round was reduced without; later rounds wait for them only
         #: ``absent_deadline_s``, until one of theirs arrives in time
         self.absent: set[str] = set()
-        self._mean_at: dict[int, float] = {}
+        self._mean_at = time.monotonic()  # the newest mean of any fragment (or the start)
 
     def inbox(self, p: int, r: int) -> Inbox:
         return self.inboxes.setdefault((p, r), Inbox())
@@ -119,7 +119,7 @@ class Gate:
             return True
         if inbox.quorum_at is None:
             return False
-        grace = self.grace.seconds()
+        grace = self.grace.seconds(inbox.quorum_at, self._mean_at)
         if missing <= self.absent:
             grace = min(grace, cfg.absent_deadline_s)
         if now - inbox.quorum_at < grace and now - inbox.first < cfg.deadline_s:
@@ -186,6 +186,6 @@ class Gate:
         if inbox is not None and inbox.quorum_at is not None:
             self.grace.observe(quorum_at=inbox.quorum_at, last_arrival=inbox.last,
                                complete=inbox.expected <= inbox.arrived,
-                               previous_mean_at=self._mean_at.get(p))
-        self._mean_at[p] = now
+                               previous_mean_at=self._mean_at)
+        self._mean_at = now
         self.inboxes.pop((p, r), None)

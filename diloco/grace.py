@@ -9,14 +9,16 @@ clock in recent rounds:
   quorum's arrival to the last one. Three times its 90th percentile covers the
   jitter of healthy members. Rounds reduced without someone are not samples (a dead
   or consistently slow member must not widen the window for everyone);
-- the *pace*: the time from a fragment's previous mean to the quorum of its next
-  round, i.e. how long the quorum computes a round. The window is at most
-  ``grace_share`` of it, so waiting for a straggler costs the others at most that
-  share of their throughput.
+- the *pace*: how long the quorum computes a round. Merge points come every H/P
+  steps, one fragment after the other, so the time from the previous mean (of any
+  fragment; for the first round, from the aggregator's start) to this round's
+  quorum, times P, estimates it. The window is at most ``GRACE_SHARE`` of it, so
+  waiting for a straggler costs the others at most that share of their
+  throughput. (The first round's estimate includes the jobs' start-up, so its
+  window is wider: start-up differences are absorbed.)
 
-The result is kept within ``grace_min_s .. grace_max_s``; before any sample it is
-``grace_max_s`` (the first rounds also absorb start-up differences). An explicit
-``grace_s`` in the config turns adaptation off.
+The result is kept within ``grace_min_s .. grace_max_s``. An explicit ``grace_s``
+in the config turns adaptation off.
 """
 
 from __future__ import annotations
@@ -43,22 +45,29 @@ class Grace:
         self.spreads: deque[float] = deque(maxlen=WINDOW)
         self.paces: deque[float] = deque(maxlen=WINDOW)
 
-    def seconds(self) -> float:
+    def seconds(self, quorum_at: float | None = None, previous_mean_at: float | None = None
+                ) -> float:
+        """The window now; with the open round's quorum time and the newest earlier
+        mean, that round's own pace counts too (so even the first round has one)."""
         cfg = self.config
         if cfg.grace_s is not None:
             return cfg.grace_s
         bound = cfg.grace_max_s
-        if self.paces:
-            bound = min(bound, GRACE_SHARE * float(np.median(self.paces)))
+        paces = list(self.paces)
+        if quorum_at is not None and previous_mean_at is not None and quorum_at > previous_mean_at:
+            paces.append((quorum_at - previous_mean_at) * self.config.fragments)
+        if paces:
+            bound = min(bound, GRACE_SHARE * float(np.median(paces)))
         if not self.spreads:
             return max(cfg.grace_min_s, bound)
         spread = SPREAD_MARGIN * float(np.percentile(self.spreads, 90))
         return max(cfg.grace_min_s, min(spread, bound))
 
     def observe(self, *, quorum_at: float, last_arrival: float, complete: bool,
-                previous_mean_at: float | None) -> None:
-        """Record one reduced round (times on the aggregator's monotonic clock)."""
+                previous_mean_at: float) -> None:
+        """Record one reduced round (times on the aggregator's monotonic clock;
+        ``previous_mean_at``: the newest earlier mean of any fragment)."""
         if complete:
             self.spreads.append(max(0.0, last_arrival - quorum_at))
-        if previous_mean_at is not None and quorum_at > previous_mean_at:
-            self.paces.append(quorum_at - previous_mean_at)
+        if quorum_at > previous_mean_at:
+            self.paces.append((quorum_at - previous_mean_at) * self.config.fragments)

@@ -174,3 +174,29 @@ def test_heterogeneous_batches_are_weighted_by_tokens(dataset):
         assert weights["region-b"] == pytest.approx(1 / 3)
         assert weights["region-a"] == pytest.approx(2 / 3)
     assert run.results["region-b"].tokens * 2 == run.results["region-a"].tokens
+
+
+def test_the_grace_window_follows_the_spread_and_is_capped_by_the_pace():
+    """No history: the first round's own pace bounds the window (5% of it, never
+    below grace_min_s); complete rounds' spreads set it (3 x their 90th percentile);
+    the pace caps it so a straggler costs the others little; grace_s fixes it."""
+    from diloco.config import SyncConfig  # noqa: PLC0415
+    from diloco.grace import Grace  # noqa: PLC0415
+
+    cfg = SyncConfig(sync_every=4, fragments=2, overlap=1, grace_min_s=0.1, grace_max_s=30)
+    g = Grace(cfg)
+    assert g.seconds() == 30  # nothing known yet
+    assert g.seconds(quorum_at=105.0, previous_mean_at=100.0) == pytest.approx(0.5)  # 5% of 10 s
+    for t in range(8):  # rounds of 10 s (5 s between merge points, P = 2), 0.2 s spread
+        g.observe(quorum_at=100.0 + 5 * t + 5, last_arrival=100.0 + 5 * t + 5.2,
+                  complete=True, previous_mean_at=100.0 + 5 * t)
+    assert g.seconds() == pytest.approx(0.5)  # 3 x 0.2 = 0.6, capped at 5% of 10 s
+    slow = Grace(cfg)
+    for t in range(8):  # rounds reduced without someone: no spread sample, only the pace
+        slow.observe(quorum_at=10.0 * t + 10, last_arrival=10.0 * t + 10, complete=False,
+                     previous_mean_at=10.0 * t)
+    assert slow.seconds() == pytest.approx(1.0)  # 5% of 20 s
+    fast = Grace(cfg)
+    fast.observe(quorum_at=1.0, last_arrival=1.01, complete=True, previous_mean_at=0.0)
+    assert fast.seconds() == pytest.approx(0.1)  # 3 x 0.01 is below grace_min_s
+    assert Grace(cfg.model_copy(update={"grace_s": 7.0})).seconds() == 7.0
