@@ -76,10 +76,10 @@ class WorkerResult:
     state: str = "finished"  # or "left"
     rebases: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:  # strict JSON: no NaN (a worker that trained no step)
         d = asdict(self)
         d.pop("losses")
-        return d
+        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in d.items()}
 
 
 @dataclass(frozen=True)
