@@ -355,19 +355,27 @@ class Aggregator:
             weights = commit["weights"]
             self.gate.restore(p, commit)
             late, dropped = commit.get("late", []), commit.get("dropped", [])
+        # a checkpoint write that fails (an outage) is retried by the next poll, which
+        # adopts the committed mean: the step must not have happened twice by then
+        before = self.outer[p].state_dict(), self.residual[p]
+        try:
+            if weights:
+                if self.feedback:
+                    self.residual[p] = x - mean
+                self.outer[p].step(mean)
+            else:  # every contribution rejected: the round is recorded, never a step
+                log.warning("aggregator %s: fragment %d round %d: no usable contribution; "
+                            "the outer state is not stepped", self.name, p, r)
+            self.fault("stepped", p, r)
+            self._checkpoint(p, r, weights)
+            self.fault("checkpointed", p, r)
+        except BaseException:
+            self.outer[p].load(before[0]["params"], before[0]["momentum"])
+            self.residual[p] = before[1]
+            raise
         self.stats.late += len(late)
         self.stats.dropped += len(dropped)
-        if weights:
-            if self.feedback:
-                self.residual[p] = x - mean
-            self.outer[p].step(mean)
-        else:  # every contribution rejected: the round is recorded, never a step
-            log.warning("aggregator %s: fragment %d round %d: no usable contribution; "
-                        "the outer state is not stepped", self.name, p, r)
         grad_norm = float(mean.norm())
-        self.fault("stepped", p, r)
-        self._checkpoint(p, r, weights)
-        self.fault("checkpointed", p, r)
         self.next_round[p] = r + 1
         self.gate.reduced(p, r, None if adopted else inbox)
         self._norms[(p, r)] = [float(v) for v in (commit or {}).get("norms", {}).values()] \

@@ -306,3 +306,39 @@ def test_a_worker_waiting_long_for_a_mean_says_so():
         assert told and told[0][:2] == (0, 0) and told[0][2] >= 0.3
     finally:
         inflight.close()
+
+
+def test_a_checkpoint_write_that_fails_once_does_not_step_the_round_twice(monkeypatch):
+    """The outer step is taken, then the canonical checkpoint's write fails (an
+    outage): the next poll adopts the committed mean and must end with the state of
+    an aggregator whose write never failed (once stepped, error feedback intact).
+    Found by the fault campaign's flaky-S3 trial."""
+    import diloco.aggregator as aggregator_module  # noqa: PLC0415
+    from storage.errors import TransientStoreError  # noqa: PLC0415
+
+    cfg = BLOCKING.model_copy(update={"codec_down": "int8", "error_feedback": True})
+    states = []
+    for fail in (False, True):
+        _, ex = make_run(cfg, steps=4)
+        for r in range(2):
+            for i, w in enumerate(("w0", "w1")):
+                ex.publish_delta(0, r, w, vec(ex, 0.1 * (i + 1) + 0.03 * r), tokens=10)
+        agg = Aggregator(open_exchange(ex.store))
+        real, failed = aggregator_module.write_checkpoint, []
+
+        def flaky(*args, real=real, failed=failed, fail=fail, **kwargs):
+            if fail and not failed:
+                failed.append(1)
+                raise TransientStoreError("put failed: the store is down")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(aggregator_module, "write_checkpoint", flaky)
+        if fail:
+            with pytest.raises(TransientStoreError):
+                agg.poll_once()
+        while agg.poll_once():
+            pass
+        assert agg.next_round == [2]
+        states.append((agg.canonical(0).clone(), agg.momentum(0).clone(), agg.residual[0].clone()))
+    for a, b in zip(*states, strict=True):
+        assert torch.equal(a, b)
