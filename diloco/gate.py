@@ -120,6 +120,10 @@ class Gate:
         if inbox.quorum_at is None:
             return False
         grace = self.grace.seconds(inbox.quorum_at, self._mean_at)
+        if any(self.roster.members[w].stamp is None for w in missing):
+            # a member still starting up (no status yet): start-up differences between
+            # regions are absorbed, as long as the longest window allows
+            grace = max(grace, cfg.grace_max_s)
         if missing <= self.absent:
             grace = min(grace, cfg.absent_deadline_s)
         if now - inbox.quorum_at < grace and now - inbox.first < cfg.deadline_s:

@@ -62,7 +62,8 @@ def losses(stderr: str, worker: str) -> list[float]:
 
 def run_island(tmp_path: Path, data_url: str, nproc: int) -> list[float]:
     url = str(tmp_path / f"island{nproc}")
-    cfg = load_config("tiny", [*MICRO, f"data.dataset={data_url}", "workers=[solo]"])
+    cfg = load_config("tiny", [*MICRO, f"data.dataset={data_url}", "workers=[solo]",
+                               "data.slots=1"])  # the whole data, as before data slots
     create_run(cfg, url)
     agg = Aggregator(open_exchange(url))
     stop = threading.Event()

@@ -110,7 +110,7 @@ def test_flow_runs_show_the_training(tmp_path):
 
     agg = seen["view-run/aggregator"]["logs"]
     applied = [m for m in agg if "applied" in m]
-    assert len(applied) == 6 and all("2 of 2 workers" in m for m in applied), agg
+    assert len(applied) == 6 and all("2 of 2 members" in m for m in applied), agg
 
     progress = [a for a in artifacts if a["type"] == "progress"]
     assert len(progress) == 1 and progress[0]["data"] == 100.0, artifacts
