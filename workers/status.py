@@ -19,8 +19,9 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from diloco.membership import read_json
 from storage import layout
-from storage.errors import ObjectMissing, StoreError
+from storage.errors import StoreError
 from storage.objectstore import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -125,10 +126,7 @@ class StatusBoard:
 
 
 def read_status(store: ObjectStore, name: str) -> dict[str, Any] | None:
-    try:
-        return json.loads(store.get(layout.member_status(name)))
-    except (ObjectMissing, ValueError):
-        return None
+    return read_json(store, layout.member_status(name))
 
 
 def read_all(store: ObjectStore, names: list[str]) -> dict[str, dict[str, Any] | None]:
