@@ -43,11 +43,12 @@ from benchmarks import netns
 from benchmarks.contenders import Contender, load, outcome, run_processes, tracking_hooks
 from benchmarks.recipe import MODE_LABELS, default_data_dir, ensure_dataset, reference_overrides
 from benchmarks.report import (
-    RESULTS,
     cli_logging,
     environment,
     md_table,
+    output_args,
     publish,
+    rerendered,
     stop_on_sigterm,
     timed,
 )
@@ -331,11 +332,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-budget", type=float, default=60.0,
                    help="seconds of all-reduce data-parallel may spend per rung")
     p.add_argument("--data", type=Path, default=None)
-    p.add_argument("--results-dir", type=Path, default=RESULTS)
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="only render the Markdown of a saved result")
-    p.add_argument("--out", default="bandwidth")
-    p.add_argument("--no-mlflow", dest="mlflow", action="store_false")
+    output_args(p, "bandwidth")
     p.add_argument("--resume", action="store_true",
                    help="reuse rungs finished by an earlier, interrupted invocation")
     p.add_argument("--cache-dir", type=Path,
@@ -345,9 +342,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     args = parser().parse_args(argv)
-    if args.from_json:
-        return publish(args.out, json.loads(args.from_json.read_text()), markdown,
-                       args.results_dir, saved=True)
+    if (saved := rerendered(args, markdown)) is not None:
+        return saved
     why = netns.available()
     if why:
         print(f"bench_bandwidth skipped: {why}")

@@ -54,12 +54,13 @@ from typing import Any
 from benchmarks.contenders import Workdir
 from benchmarks.recipe import ensure_dataset
 from benchmarks.report import (
-    RESULTS,
     ROOT,
     cli_logging,
     environment,
     md_table,
+    output_args,
     publish,
+    rerendered,
     stop_on_sigterm,
     timed,
 )
@@ -563,21 +564,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-max-s", type=float, default=3.0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per scenario")
     p.add_argument("--data", type=Path, default=None, help="where the dataset is cached")
-    p.add_argument("--results-dir", type=Path, default=RESULTS)
-    p.add_argument("--out", default="elastic", help="results/<out>.json and .md")
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="only render the Markdown of a saved result")
     p.add_argument("--keep", action="store_true", help="keep the runs' stores")
-    p.add_argument("--no-mlflow", dest="mlflow", action="store_false",
-                   help="accepted for run_all; this benchmark logs nothing to MLflow")
+    output_args(p, "elastic", "accepted for run_all; this benchmark logs nothing to MLflow")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
-    if args.from_json:
-        return publish(args.out, json.loads(args.from_json.read_text()), markdown,
-                       args.results_dir, saved=True)
+    if (saved := rerendered(args, markdown)) is not None:
+        return saved
     unknown = set(args.scenarios.split(",")) - set(SCENARIOS) - {""}
     if unknown:
         parser().error(f"--scenarios: unknown {', '.join(sorted(unknown))}; allowed: "

@@ -26,7 +26,6 @@ slightly optimistic; the whole sweep is reported.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import sys
@@ -44,11 +43,12 @@ from benchmarks.recipe import (
     reference_overrides,
 )
 from benchmarks.report import (
-    RESULTS,
     cli_logging,
     environment,
     md_table,
+    output_args,
     publish,
+    rerendered,
     stop_on_sigterm,
     timed,
 )
@@ -258,11 +258,7 @@ def parser() -> argparse.ArgumentParser:
                    help="grid: tune outer lr/momentum per mode; none: the modes' defaults")
     p.add_argument("--sweep-codec", default="fp32")
     p.add_argument("--data", type=Path, default=None, help="where the dataset is cached")
-    p.add_argument("--results-dir", type=Path, default=RESULTS)
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="only render the Markdown of a saved result")
-    p.add_argument("--out", default="quality", help="results/<out>.json and .md")
-    p.add_argument("--no-mlflow", dest="mlflow", action="store_false")
+    output_args(p, "quality")
     p.add_argument("--keep", action="store_true", help="keep the runs' stores")
     p.add_argument("--resume", action="store_true",
                    help="reuse contenders finished by an earlier, interrupted invocation")
@@ -272,9 +268,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
-    if args.from_json:
-        return publish(args.out, json.loads(args.from_json.read_text()), markdown,
-                       args.results_dir, saved=True)
+    if (saved := rerendered(args, markdown)) is not None:
+        return saved
     env = environment(argv, "benchmarks.bench_quality")
     stop_on_sigterm()
     results, seconds = timed(lambda: run(args))

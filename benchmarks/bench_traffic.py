@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import socket
 import sys
@@ -45,11 +44,12 @@ from typing import Any
 from benchmarks.contenders import Contender, Workdir, load, run_contender
 from benchmarks.recipe import CODEC_LABELS, MODE_LABELS, MODES, ensure_dataset, reference_overrides
 from benchmarks.report import (
-    RESULTS,
     cli_logging,
     environment,
     md_table,
+    output_args,
     publish,
+    rerendered,
     stop_on_sigterm,
     timed,
 )
@@ -301,19 +301,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-netns", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--dp-steps", type=int, default=20)
     p.add_argument("--data", type=Path, default=None)
-    p.add_argument("--results-dir", type=Path, default=RESULTS)
-    p.add_argument("--out", default="traffic")
-    p.add_argument("--no-mlflow", dest="mlflow", action="store_false")
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="only render the Markdown of a saved result")
+    output_args(p, "traffic")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
-    if args.from_json:
-        return publish(args.out, json.loads(args.from_json.read_text()), markdown,
-                       args.results_dir, saved=True)
+    if (saved := rerendered(args, markdown)) is not None:
+        return saved
     env = environment(argv, "benchmarks.bench_traffic")
     stop_on_sigterm()
     results, seconds = timed(lambda: run(args))

@@ -9,6 +9,7 @@ through the same ``publish``.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import logging
@@ -122,3 +123,22 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     t0 = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - t0
+
+
+def output_args(p: argparse.ArgumentParser, out: str, mlflow_help: str | None = None) -> None:
+    """The options every benchmark shares: where results go, re-rendering a saved
+    result, and leaving MLflow out."""
+    p.add_argument("--results-dir", type=Path, default=RESULTS)
+    p.add_argument("--out", default=out, help="results/<out>.json and .md")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="only render the Markdown of a saved result")
+    p.add_argument("--no-mlflow", dest="mlflow", action="store_false", help=mlflow_help)
+
+
+def rerendered(args: argparse.Namespace,
+               markdown: Callable[[dict[str, Any]], str]) -> dict[str, Any] | None:
+    """With ``--from-json``: the saved report, rendered and written again; else None."""
+    if not args.from_json:
+        return None
+    return publish(args.out, json.loads(args.from_json.read_text()), markdown,
+                   args.results_dir, saved=True)
