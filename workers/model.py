@@ -16,6 +16,7 @@ without touching the caller's random state.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,15 @@ class ModelConfig(BaseModel):
     - ``z_loss``: weight of ``mean(logsumexp(logits)^2)`` added to the loss.
     - ``init_std``: std of every linear and embedding weight at init; the attention
       and MLP output projections get ``init_std / sqrt(2 * n_layers)``.
+    - ``qkv_bias`` / ``out_bias`` / ``mlp_bias``: biases (zero at init) on the q, k, v
+      projections (Qwen2), the attention output (Llama ``attention_bias`` sets both)
+      and the three MLP projections (Llama ``mlp_bias``): Hugging Face models have them.
+    - ``head_size``: an explicit head dim, for models whose ``head_dim`` is not
+      ``d_model / n_heads``; unset, it is that quotient.
+    - ``rope_scaling``: Hugging Face RoPE scaling, ``rope_type`` one of
+      ``ROPE_TYPES``, so a pretrained long-context model keeps its positions.
+    - ``sliding_window``: kept so an exported Mistral config says it; training is
+      full causal attention, which equals sliding attention up to that length.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -53,6 +63,12 @@ class ModelConfig(BaseModel):
     z_loss: float = 0.0
     init_std: float = 0.02
     dropout: float = 0.0
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    head_size: int | None = None
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
 
     _known_fields = names_unknown_fields()
 
@@ -63,20 +79,21 @@ class ModelConfig(BaseModel):
             value = getattr(self, field)
             if value < 1:
                 raise ValueError(f"{field} must be >= 1, got {value}")
-        for field in ("n_kv_heads", "mlp_hidden"):
+        for field in ("n_kv_heads", "mlp_hidden", "head_size", "sliding_window"):
             value = getattr(self, field)
             if value is not None and value < 1:
                 raise ValueError(f"{field} must be >= 1 or unset, got {value}")
-        if self.d_model % self.n_heads:
+        if self.head_size is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model must be divisible by n_heads: d_model = {self.d_model}, "
                 f"n_heads = {self.n_heads}"
             )
         if self.head_dim % 2:
             raise ValueError(
-                f"head dim d_model / n_heads must be even for RoPE, got "
-                f"{self.d_model} / {self.n_heads} = {self.head_dim}"
+                f"head dim (head_size, or d_model / n_heads) must be even for RoPE, got {self.head_dim}"
             )
+        if self.rope_scaling is not None:
+            rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # checks it
         if self.n_heads % self.kv_heads:
             raise ValueError(
                 f"n_kv_heads must divide n_heads = {self.n_heads}, got {self.kv_heads}"
@@ -93,7 +110,8 @@ class ModelConfig(BaseModel):
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        """``head_size`` when set, else ``d_model / n_heads``."""
+        return self.head_size if self.head_size is not None else self.d_model // self.n_heads
 
     @property
     def kv_heads(self) -> int:
@@ -110,9 +128,10 @@ class ModelConfig(BaseModel):
 
     def num_parameters(self) -> int:
         """Parameter count of ``Transformer(self)``, tied embeddings counted once."""
-        d, kv = self.d_model, self.kv_heads * self.head_dim
-        attention = d * d + 2 * d * kv + d * d  # wq, wk, wv, wo
-        mlp = 3 * d * self.mlp_dim  # w1, w2, w3
+        d, kv, q = self.d_model, self.kv_heads * self.head_dim, self.n_heads * self.head_dim
+        attention = d * q + 2 * d * kv + q * d  # wq, wk, wv, wo
+        attention += (q + 2 * kv) * self.qkv_bias + d * self.out_bias
+        mlp = 3 * d * self.mlp_dim + (2 * self.mlp_dim + d) * self.mlp_bias  # w1, w2, w3
         block = attention + mlp + 2 * d  # + two RMSNorm weights
         embed = self.vocab_size * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
@@ -133,26 +152,89 @@ class RMSNorm(nn.Module):
         return (normed * self.weight.float()).to(x.dtype)
 
 
+#: RoPE scaling types (Hugging Face ``rope_type``) and the keys each requires.
+ROPE_TYPES: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+}
+
+
+def _rope_type(scaling: dict[str, Any]) -> str:
+    """The scaling's type (``rope_type``, or the legacy ``type``), checked."""
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(
+            f"rope_scaling.rope_type = {kind!r} is not supported; allowed: {', '.join(ROPE_TYPES)}"
+        )
+    allowed = {"rope_type", "type", *ROPE_TYPES[kind]}
+    unknown = sorted(set(scaling) - allowed)
+    missing = [k for k in ROPE_TYPES[kind] if k not in scaling]
+    if unknown or missing:
+        takes = ", ".join(ROPE_TYPES[kind]) or "no parameters"
+        wrong = f"unknown: {', '.join(unknown)}" if unknown else f"missing: {', '.join(missing)}"
+        raise ValueError(f"rope_scaling of rope_type {kind!r} takes {takes}; {wrong}")
+    return kind
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Float64 inverse frequencies of the half-split pairs, after ``scaling``.
+
+    "linear" divides them by ``factor`` (positions / factor); "llama3" is Llama 3.1's
+    rescaling: long wavelengths / factor, short ones kept, a smooth blend between,
+    the same formula as transformers' ``_compute_llama3_parameters``.
+    """
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    kind = "default" if scaling is None else _rope_type(scaling)
+    if kind == "default":
+        return inv_freq
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 class Rotary(nn.Module):
     """Rotary position embedding (RoPE), real-valued, half-split pairs.
 
     Channel i of the first half and channel i of the second half form one pair,
-    rotated by angle ``pos * theta^(-2i / head_dim)``. After rotation q.k depends on
-    the positions only through their difference. The cos/sin tables are buffers
-    (not saved in state dicts) and the rotation runs in float32, so it works under
-    bf16 autocast and on every device.
+    rotated by angle ``pos * inv_freq[i]``, ``inv_freq[i] = theta^(-2i / head_dim)``
+    unless ``scaling`` changes it. After rotation q.k depends on the positions only
+    through their difference. The cos/sin tables are buffers (not saved in state
+    dicts) built for at most ``EAGER_LEN`` positions and extended when a longer
+    sequence comes (Llama 3 allows 131072 positions; a table that long is 64 MB per
+    head dim of 128 that a 2k-token run never reads). The rotation runs in float32,
+    so it works under bf16 autocast and on every device.
     """
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+    EAGER_LEN = 4096
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float,
+                 scaling: dict[str, Any] | None = None):
         super().__init__()
-        inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self._build(min(max_seq_len, self.EAGER_LEN), torch.device("cpu"))
+
+    def _build(self, length: int, device: torch.device) -> None:
+        angles = torch.outer(torch.arange(length, dtype=torch.float64), self.inv_freq)
+        self.cos = angles.cos().float().to(device)
+        self.sin = angles.sin().float().to(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` [B, H, T, head_dim], position t at index t."""
         T = x.size(-2)
+        if self.cos.size(0) < T:
+            self._build(T, self.cos.device)
         cos, sin = self.cos[:T].float(), self.sin[:T].float()
         x1, x2 = x.float().chunk(2, dim=-1)
         rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
@@ -166,10 +248,11 @@ class Attention(nn.Module):
         super().__init__()
         d, hd = config.d_model, config.head_dim
         self.n_heads, self.kv_heads, self.head_dim = config.n_heads, config.kv_heads, hd
-        self.wq = nn.Linear(d, config.n_heads * hd, bias=False)
-        self.wk = nn.Linear(d, config.kv_heads * hd, bias=False)
-        self.wv = nn.Linear(d, config.kv_heads * hd, bias=False)
-        self.wo = nn.Linear(config.n_heads * hd, d, bias=False)
+        qkv = config.qkv_bias
+        self.wq = nn.Linear(d, config.n_heads * hd, bias=qkv)
+        self.wk = nn.Linear(d, config.kv_heads * hd, bias=qkv)
+        self.wv = nn.Linear(d, config.kv_heads * hd, bias=qkv)
+        self.wo = nn.Linear(config.n_heads * hd, d, bias=config.out_bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -194,9 +277,10 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.w1 = nn.Linear(config.d_model, config.mlp_dim, bias=False)
-        self.w2 = nn.Linear(config.mlp_dim, config.d_model, bias=False)
-        self.w3 = nn.Linear(config.d_model, config.mlp_dim, bias=False)
+        d, h, bias = config.d_model, config.mlp_dim, config.mlp_bias
+        self.w1 = nn.Linear(d, h, bias=bias)
+        self.w2 = nn.Linear(h, d, bias=bias)
+        self.w3 = nn.Linear(d, h, bias=bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -238,16 +322,20 @@ class Transformer(nn.Module):
             if config.tie_embeddings
             else nn.Linear(config.d_model, config.vocab_size, bias=False)
         )
-        self.rope = Rotary(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.rope = Rotary(config.head_dim, config.max_seq_len, config.rope_theta,
+                           config.rope_scaling)
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """normal(0, init_std) weights; output projections scaled by 1/sqrt(2 n_layers)."""
+        """normal(0, init_std) weights, zero biases; output projections scaled by
+        1/sqrt(2 n_layers)."""
         std = self.config.init_std
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
         for layer in self.layers:
@@ -264,6 +352,13 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"sequence length T = {seq_len} exceeds the model's max_seq_len = "
                 f"{self.config.max_seq_len}"
+            )
+        window = self.config.sliding_window
+        if window is not None and seq_len > window:
+            raise ValueError(
+                f"sequence length T = {seq_len} exceeds the model's sliding_window = {window}: "
+                "only full causal attention is implemented, which equals sliding-window "
+                "attention up to that length; use data.seq_len <= sliding_window"
             )
         x = self.embed(tokens)
         for layer in self.layers:
