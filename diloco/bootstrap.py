@@ -28,7 +28,8 @@ from diloco.config import SyncConfig
 from diloco.outer import OuterState
 from diloco.run import latest_global, load_initial
 from diloco.schedule import Schedule
-from storage.checkpoints import read_checkpoint
+from storage import layout
+from storage.checkpoints import committed_keys, read_checkpoint
 from storage.errors import ObjectMissing
 from storage.exchange import Exchange
 
@@ -93,34 +94,81 @@ def frontier(exchange: Exchange, config: SyncConfig, *, poll_s: float = 0.1,
         time.sleep(poll_s)
 
 
-class _Moved(Exception):
+class Unavailable(Exception):
+    """What a canonical state is built from is not (or no longer) in the store."""
+
+
+class _Moved(Unavailable):
     """The aggregator pruned what we were reading: look for the frontier again."""
 
 
 def _state_at(exchange: Exchange, config: SyncConfig, p: int, r: int) -> OuterState:
-    """Fragment ``p``'s canonical outer state after round ``r`` (-1: initial)."""
-    init = load_initial(exchange, p + 1)[p] if r < 0 else None
+    """Fragment ``p``'s canonical outer state after round ``r`` (-1: initial), from its
+    newest checkpoint (`_Moved` if that is past ``r``: the frontier moved on)."""
     latest = latest_global(exchange, p) if r >= 0 else None
     if latest is not None and latest[0] > r:
         raise _Moved(f"fragment {p}: the newest checkpoint is round {latest[0]} > {r}")
-    if latest is None:
-        init = init if init is not None else load_initial(exchange, p + 1)[p]
-        state, start = OuterState(init, config.eta, config.mu), 0
+    try:
+        return state_after(exchange, config, p, r)
+    except Unavailable as exc:
+        raise _Moved(str(exc)) from exc
+
+
+def state_after(exchange: Exchange, config: SyncConfig, p: int, r: int) -> OuterState:
+    """Fragment ``p``'s canonical outer state after its round ``r`` (-1: the initial
+    parameters): its newest canonical checkpoint at or before ``r`` (else the initial
+    parameters), then the committed means after it replayed through the outer step, as
+    the aggregator resumes. Raises `Unavailable` if a checkpoint or mean it needs is
+    missing."""
+    checkpoints = []
+    for key in committed_keys(exchange.store, layout.global_states(p)):
+        k = layout.parse_round(key.rsplit("/", 1)[-1][: -len(".json")])
+        if k is not None and k <= r:
+            checkpoints.append((k, key))
+    if not checkpoints:
+        state, start = OuterState(load_initial(exchange, p + 1)[p], config.eta, config.mu), 0
     else:
+        k, key = max(checkpoints)
         try:
-            arrays, _ = read_checkpoint(exchange.store, latest[1])
+            arrays, _ = read_checkpoint(exchange.store, key)
         except ObjectMissing as exc:
-            raise _Moved(f"fragment {p}: checkpoint round {latest[0]} was pruned") from exc
+            raise Unavailable(f"fragment {p}: checkpoint round {k} was pruned") from exc
         momentum = arrays.get("momentum")
         state = OuterState(torch.from_numpy(arrays["params"].copy()), config.eta, config.mu)
         state.load(torch.from_numpy(arrays["params"].copy()),
                    None if momentum is None else torch.from_numpy(momentum.copy()))
-        start = latest[0] + 1
+        start = k + 1
     for k in range(start, r + 1):  # the committed means after it, as the aggregator replays
         got = exchange.fetch_mean(p, k)
         if got is None:
-            raise _Moved(f"fragment {p}: the mean of round {k} is not readable")
+            raise Unavailable(f"fragment {p}: the mean of round {k} is not readable")
         mean, commit = got
         if commit.get("weights"):
             state.step(torch.from_numpy(np.asarray(mean)))
     return state
+
+
+def rounds_committed(exchange: Exchange) -> int:
+    """How many rounds every fragment has committed (0: none yet)."""
+    n = len(exchange.manifest.fragments)
+    return min(newest_committed(exchange, p) for p in range(n)) + 1
+
+
+def canonical_after(exchange: Exchange, config: SyncConfig,
+                    rounds: int | None = None) -> tuple[int, list[torch.Tensor]]:
+    """``(rounds, params)``: the canonical parameters (one flat float32 vector per
+    fragment) after ``rounds`` rounds of every fragment; ``None``: the newest round
+    every fragment has committed (0: the initial parameters). This is what a user
+    exports or samples from: the model the aggregator holds at that round.
+
+    Raises ValueError naming the rounds available if ``rounds`` is out of range."""
+    done = rounds_committed(exchange)
+    if rounds is None:
+        rounds = done
+    if not 0 <= rounds <= done:
+        total = min(exchange.manifest.rounds)
+        raise ValueError(
+            f"round {rounds} is not available: every fragment has committed rounds "
+            f"0..{done} of {total} (0: the initial parameters)")
+    n = len(exchange.manifest.fragments)
+    return rounds, [state_after(exchange, config, p, rounds - 1).params for p in range(n)]
