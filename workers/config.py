@@ -148,6 +148,11 @@ class TrainConfig(_Strict):
         description="data_parallel: the baseline, gradients all-reduced every step",
     )
     threads: int = Field(default=0, ge=0, description="torch threads per worker; 0 = default")
+    log_model: bool = Field(
+        default=True,
+        description="when the run finishes, log its canonical model (safetensors, "
+                    "config.json, tokenizer) as the MLflow parent run's artifact model/",
+    )
     keep_checkpoints: int = Field(
         default=1, ge=0,
         description="round checkpoints of the canonical model the aggregator keeps per "
