@@ -1,0 +1,197 @@
+"""Hugging Face configs and weights: a user's Llama/Mistral/Qwen2 model trains in our
+class and comes back out loadable by transformers, with the same logits.
+
+No hub: every config is built here, tiny; transformers is a test dependency only.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from workers.hf import (  # noqa: E402
+    from_hf_config,
+    load_hf_state_dict,
+    read_safetensors,
+    to_hf_config,
+    to_hf_state_dict,
+    write_hf_model,
+)
+from workers.model import ModelConfig, build_model  # noqa: E402
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+            rms_norm_eps=1e-6)
+
+CASES = {
+    "llama-tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True)),
+    "llama-untied": (transformers.LlamaConfig, dict(tie_word_embeddings=False)),
+    "mistral-gqa": (transformers.MistralConfig,
+                    dict(num_key_value_heads=2, sliding_window=64, rope_theta=5000.0)),
+    "qwen2-bias": (transformers.Qwen2Config, dict(num_key_value_heads=2)),
+    "llama-bias-headdim": (transformers.LlamaConfig,
+                           dict(attention_bias=True, mlp_bias=True, head_dim=12)),
+    "llama3-rope": (transformers.LlamaConfig, dict(rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        rope_theta=500000.0)),
+    "llama-linear-rope": (transformers.LlamaConfig,
+                          dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+}
+
+
+def hf_model(case: str, seed: int = 0):
+    cls, extra = CASES[case]
+    config = cls(**{**TINY, **extra}, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # transformers zeroes biases at init: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def batch(vocab: int, T: int = 24) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, T), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_checkpoint_trains_in_our_class_with_the_same_logits(case, tmp_path):
+    hf = hf_model(case)
+    hf.save_pretrained(tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    ours = build_model(from_hf_config(d, source="config.json"))
+    load_hf_state_dict(ours, read_safetensors(str(tmp_path)), source=str(tmp_path))
+    tokens = batch(ours.config.vocab_size)
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        got, _ = ours.eval()(tokens)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("case", ["llama-tied", "qwen2-bias", "llama-bias-headdim",
+                                  "llama3-rope", "mistral-gqa"])
+@pytest.mark.parametrize("with_base", [True, False])
+def test_our_model_exports_to_transformers_with_the_same_logits(case, with_base, tmp_path):
+    hf = hf_model(case, seed=4)
+    base = hf.config.to_dict()
+    ours = build_model(from_hf_config(base, source="base"), seed=7)
+    with torch.no_grad():  # non-zero biases, so a dropped bias shows in the logits
+        for name, p in ours.named_parameters():
+            if name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    out = tmp_path / "export"
+    files = write_hf_model(ours, out, base_config=base if with_base else None,
+                           extra_files={"tokenizer.json": b"{}"})
+    assert {"config.json", "generation_config.json", "model.safetensors",
+            "tokenizer.json"} <= set(files)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = batch(ours.config.vocab_size)
+    with torch.no_grad():
+        expected, _ = ours.eval()(tokens)
+        got = loaded(tokens).logits
+    assert (got - expected).abs().max().item() < 1e-4
+    assert from_hf_config(json.loads((out / "config.json").read_text()),
+                          source="export") == ours.config
+
+
+@pytest.mark.parametrize("legacy", [True, False])
+def test_exported_config_loads_in_both_rope_forms(legacy):
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, rope_theta=1234.0,
+                      rope_scaling={"rope_type": "linear", "factor": 3.0})
+    base = {"model_type": "llama", "rope_theta": 1.0} if legacy else None
+    d = to_hf_config(cfg, base)
+    assert ("rope_parameters" in d) != legacy
+    loaded = transformers.AutoConfig.for_model(**d)
+    assert loaded.rope_parameters["rope_theta"] == 1234.0
+    assert loaded.rope_parameters["factor"] == 3.0
+    back = from_hf_config(loaded.to_dict(), source="x")
+    assert back == from_hf_config(d, source="d")
+    assert (back.rope_theta, back.rope_scaling, back.num_parameters()) == (
+        cfg.rope_theta, cfg.rope_scaling, cfg.num_parameters())
+
+
+def test_sharded_export_reads_back_tensor_for_tensor(tmp_path):
+    model = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4,
+                                    tie_embeddings=False), seed=2)
+    files = write_hf_model(model, tmp_path / "m", base_config=None, max_shard_bytes=20_000)
+    shards = [f for f in files if f.startswith("model-")]
+    assert len(shards) > 1 and "model.safetensors.index.json" in files
+    index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    back = read_safetensors(str(tmp_path / "m"))
+    expected = to_hf_state_dict(model)
+    assert back.keys() == expected.keys()
+    assert all(torch.equal(back[k], expected[k]) for k in back)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert torch.equal(hf.lm_head.weight, model.head.weight)
+
+
+def test_export_refuses_a_non_empty_directory_and_leaves_nothing_half_written(tmp_path):
+    model = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"--out .*out: exists and is not an empty directory"):
+        write_hf_model(model, tmp_path / "out", base_config=None)
+    with pytest.raises(ValueError, match="clashes"):
+        write_hf_model(model, tmp_path / "new", base_config=None,
+                       extra_files={"config.json": b"{}"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"hidden_act": "gelu"}, "'hidden_act' = 'gelu'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'rope_scaling.rope_type' = 'yarn'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}},
+     "'rope_parameters.rope_type' = 'dynamic'"),
+    ({"model_type": "gpt2"}, "'model_type' = 'gpt2'.*llama, mistral, qwen2"),
+    ({"frobnicate": 3}, "'frobnicate' = 3"),
+    ({"pretraining_tp": 2}, "'pretraining_tp' = 2"),
+])
+def test_unsupported_fields_are_one_line_naming_the_field(change, field):
+    d = {**transformers.LlamaConfig(**TINY).to_dict(), **change}
+    with pytest.raises(ValueError, match=rf"^model.hf_config cfg.json: field {field}") as info:
+        from_hf_config(d, source="cfg.json")
+    assert "\n" not in str(info.value)
+
+
+def test_every_key_transformers_emits_is_classified():
+    for cls in (transformers.LlamaConfig, transformers.MistralConfig, transformers.Qwen2Config):
+        cfg = from_hf_config(cls(**TINY).to_dict(), source=cls.__name__)
+        assert (cfg.d_model, cfg.n_layers, cfg.vocab_size) == (32, 2, 96)
+        assert cfg.qkv_bias == (cls is transformers.Qwen2Config)
+
+
+def test_qwen2_sliding_window_only_when_switched_on():
+    d = transformers.Qwen2Config(**TINY, sliding_window=16).to_dict()
+    assert from_hf_config(d, source="q").sliding_window is None
+    d.update(use_sliding_window=True, sliding_window=16)
+    model = build_model(from_hf_config(d, source="q"))
+    model(batch(96, 16))
+    with pytest.raises(ValueError, match="sliding_window = 16"):
+        model(batch(96, 17))
+
+
+def test_tied_checkpoint_with_a_different_lm_head_is_refused():
+    model = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4))
+    sd = to_hf_state_dict(model)
+    same = {**sd, "lm_head.weight": sd["model.embed_tokens.weight"].clone()}
+    load_hf_state_dict(model, same, source="w")  # a tied checkpoint may carry it
+    with pytest.raises(ValueError, match="lm_head.weight differs from the embedding"):
+        load_hf_state_dict(model, {**sd, "lm_head.weight": torch.zeros(64, 32)}, source="w")
+    sd.pop("model.layers.0.mlp.up_proj.weight")
+    with pytest.raises(ValueError, match=r"init_from w: .*missing model.layers.0.mlp.up_proj"):
+        load_hf_state_dict(model, sd, source="w")
+
+
+def test_bf16_weights_are_cast_to_float32():
+    model = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4))
+    sd = {k: v.to(torch.bfloat16) for k, v in to_hf_state_dict(model).items()}
+    load_hf_state_dict(model, sd, source="bf16")
+    assert model.embed.weight.dtype == torch.float32
+    assert torch.equal(model.embed.weight, sd["model.embed_tokens.weight"].float())
