@@ -5,6 +5,8 @@ Two kinds, chosen by a short spec string that `load_tokenizer` understands and t
 
 - ``"byte"``: `ByteTokenizer`, the UTF-8 bytes of the text; vocabulary 256, no
   special tokens, nothing to download. The embedded default.
+- ``"ids:N"``: `IdsTokenizer`, for pre-tokenized shards without a tokenizer file:
+  a vocabulary of N ids and no text (it cannot encode or decode).
 - ``"path/to/tokenizer.json"``: `HFTokenizer`, a Hugging Face ``tokenizers`` file
   on local disk. The ``tokenizers`` package is not a project dependency; it is
   imported only when such a tokenizer is loaded.
@@ -118,13 +120,45 @@ class HFTokenizer:
         return f"HFTokenizer({self.path!r})"
 
 
+class IdsTokenizer:
+    """Token ids only: a vocabulary size for shards that came without a tokenizer
+    file, so ids can be checked against it; there is no text to encode or decode."""
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"tokenizer ids:N needs N >= 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.name = f"{IDS_PREFIX}{vocab_size}"
+
+    def encode(self, text: str) -> list[int]:
+        raise ValueError(f"tokenizer {self.name} holds no text mapping: it cannot encode "
+                         "text; prepare text with 'byte' or a tokenizer .json file")
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        raise ValueError(f"tokenizer {self.name} holds no text mapping: it cannot decode ids")
+
+    def __repr__(self) -> str:
+        return f"IdsTokenizer({self.vocab_size})"
+
+
+#: The prefix of the ids-only spec, ``ids:50257``.
+IDS_PREFIX = "ids:"
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
-    """The tokenizer named by ``spec``: ``"byte"`` or the path of a ``.json`` file."""
+    """The tokenizer named by ``spec``: ``"byte"``, ``"ids:N"`` or the path of a
+    ``.json`` file."""
     if spec == BYTE_SPEC:
         return ByteTokenizer()
+    if isinstance(spec, str) and spec.startswith(IDS_PREFIX):
+        try:
+            return IdsTokenizer(int(spec[len(IDS_PREFIX):]))
+        except ValueError:
+            raise ValueError(f"tokenizer spec {spec!r}: ids:N takes a vocabulary size N "
+                             ">= 1, e.g. ids:50257") from None
     if isinstance(spec, str) and spec.lower().endswith(".json"):
         return HFTokenizer(spec)
     raise ValueError(
-        f"unknown tokenizer spec {spec!r}: use 'byte' or the path of a Hugging Face "
+        f"unknown tokenizer spec {spec!r}: use 'byte', 'ids:N' or the path of a Hugging Face "
         "tokenizers .json file"
     )

@@ -30,3 +30,12 @@ class DatasetMissing(DataError):
 
 class DatasetInvalid(DataError):
     """``dataset.json`` or the arrays it describes do not check out."""
+
+
+class ShardInvalid(DataError):
+    """A token shard cannot be used as it is: a dtype that does not fit, an id
+    outside the vocabulary, too few tokens for one sequence, a malformed header."""
+
+
+class ShardCorrupt(DatasetInvalid):
+    """A block of a token shard no longer matches the checksum its index recorded."""

@@ -14,6 +14,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 FORMAT = "diloco-flows/dataset/1"
+#: The format of datasets whose tokens live in flat token shards (read lazily).
+FORMAT_SHARDS = "diloco-flows/dataset/2"
 MANIFEST = "dataset.json"
 ARRAYS = ("train/tokens", "train/offsets", "val/tokens", "val/offsets")
 
@@ -64,6 +66,38 @@ class DatasetManifest(_Strict):
     files: list[FileEntry]
     counts: Counts
     arrays: dict[str, ArrayEntry]
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.model_dump(), indent=2).encode()
+
+
+class ShardEntry(_Strict):
+    """One flat token shard: ``tokens`` ids of ``dtype`` after ``header_bytes``."""
+
+    url: str = Field(description="absolute URL, or a key in the dataset store if stored")
+    stored: bool = Field(default=False, description="inside the dataset store (copied there)")
+    kind: Literal["bin", "llmc", "npy"]
+    dtype: Literal["uint16", "uint32"]
+    header_bytes: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    block_bytes: int = Field(gt=0, description="bytes per checksum block of the token data")
+    crc32c: str = Field(description="base64 of one little-endian uint32 crc32c per block")
+
+
+class ShardedManifest(_Strict):
+    """The contents of ``dataset.json`` of format 2: the dataset's token stream is
+    its shards, concatenated; the files are consecutive ranges of that stream, each
+    split into train (its first ``train_tokens``) and val (the rest)."""
+
+    format: Literal["diloco-flows/dataset/2"] = FORMAT_SHARDS
+    created: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
+    tokenizer: TokenizerEntry
+    dtype: Literal["uint16", "uint32"]
+    val_fraction: float = Field(ge=0.0, lt=1.0)
+    sources: list[str] = Field(description="the sources as given to prepare_data")
+    files: list[FileEntry]
+    counts: Counts
+    shards: list[ShardEntry]
 
     def to_json(self) -> bytes:
         return json.dumps(self.model_dump(), indent=2).encode()

@@ -24,16 +24,18 @@ from storage.arrays import write_array
 from storage.errors import StoreError
 from storage.objectstore import ObjectStore
 from workers.data.errors import DataError, DatasetExists
+from workers.data.index import collect_shards, copy_shards, index_sources
 from workers.data.manifest import (
     MANIFEST,
     ArrayEntry,
     Counts,
     DatasetManifest,
     FileEntry,
+    ShardedManifest,
     TokenizerEntry,
     token_dtype,
 )
-from workers.data.sources import decode_text, limit_files, resolve_sources
+from workers.data.sources import _protocol, decode_text, limit_files, resolve_sources
 from workers.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,8 @@ class DatasetInfo:
     bytes_written: int
     objects_written: int
     seconds: float
-    manifest: DatasetManifest
+    manifest: DatasetManifest | ShardedManifest
+    notes: tuple[str, ...] = ()  # e.g. which shards were referenced and which copied
 
 
 def prepare_data(
@@ -66,6 +69,8 @@ def prepare_data(
     progress: Progress | None = None,
     max_files: int | None = None,
     max_bytes: int | None = None,
+    dtype: str | None = None,
+    min_tokens: int = 1,
 ) -> DatasetInfo:
     """Tokenise ``sources`` into a new dataset at the store URL ``out_url``.
 
@@ -78,18 +83,34 @@ def prepare_data(
     small multiple of the output's size (the tokens, and one array's encoding while
     it is uploaded), whatever the size of the text.
 
+    Sources that are flat token shards (``.bin``/``.npy``, `workers.data.shards`)
+    are indexed in place instead (`workers.data.index`): ``dtype`` is the id type
+    of raw ``.bin`` files (``data.dtype``; default uint16, and it must agree with
+    an ``.npy`` or llm.c header when given), ``min_tokens`` the fewest tokens a
+    shard may hold (a run passes ``seq_len + 1``). Every shard is checked before
+    anything is written.
+
     Raises `DatasetExists` if ``out_url`` already holds a dataset, `SourceNotFound`
-    or `CorpusNotInstalled` for a bad source, ValueError for bad arguments.
+    or `CorpusNotInstalled` for a bad source, `ShardInvalid` for a bad shard,
+    ValueError for bad arguments.
     """
     start = time.perf_counter()
     sources = [sources] if isinstance(sources, str) else list(sources)
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     tok = load_tokenizer(tokenizer)
-    dtype = token_dtype(tok.vocab_size)
+    shard_dtype, dtype = dtype, token_dtype(tok.vocab_size)
     store = ObjectStore(out_url, storage_options=storage_options, name="prepare-data")
     if store.exists(MANIFEST):
         raise _exists(store)
+    out_protocol = _protocol(out_url)
+    opts_for = {s: dict(storage_options or {}) for s in sources
+                if _protocol(s) == out_protocol and "://" in s}
+    shards = collect_shards(sources, opts_for)
+    if shards is not None:
+        return _index(shards, sources, store, tokenizer, tok, dtype=shard_dtype,
+                      val_fraction=val_fraction, min_tokens=min_tokens,
+                      storage_options=storage_options, progress=progress, start=start)
     chosen = limit_files(
         resolve_sources(sources, storage_options=storage_options, out_url=out_url),
         max_files,
@@ -184,6 +205,33 @@ def prepare_data(
         objects_written=objects + 1,
         seconds=seconds,
         manifest=manifest,
+    )
+
+
+def _index(shards: list, sources: list[str], store: ObjectStore, spec: str, tok: Tokenizer,
+           *, dtype: str | None, val_fraction: float, min_tokens: int,
+           storage_options: dict | None, progress: Progress | None, start: float
+           ) -> DatasetInfo:
+    """Prepare from token shards: index them (and copy local ones to a remote store)."""
+    entry = TokenizerEntry(spec=spec, name=tok.name, vocab_size=tok.vocab_size,
+                           sha256=_file_sha256(spec))
+    result = index_sources(shards, sources, tokenizer=entry, dtype=dtype,
+                           val_fraction=val_fraction, min_tokens=min_tokens,
+                           out_protocol=_protocol(store.url), progress=progress)
+    copied = copy_shards(result.copies, store.full_url, storage_options)
+    body = result.manifest.to_json()
+    if not store.put_if_absent(MANIFEST, body):
+        raise _exists(store, during=True)
+    m = result.manifest
+    n_copied = len(result.copies)
+    notes = (f"{len(shards) - n_copied} shards referenced in place",) + (
+        (f"{n_copied} local shards copied into the dataset store ({copied:,} bytes), "
+         "since remote workers cannot read local paths",) if n_copied else ())
+    return DatasetInfo(
+        url=store.url, files=len(m.files), bytes_read=result.bytes_read,
+        train_tokens=m.counts.train_tokens, val_tokens=m.counts.val_tokens,
+        bytes_written=len(body) + copied, objects_written=1 + n_copied,
+        seconds=time.perf_counter() - start, manifest=m, notes=notes,
     )
 
 

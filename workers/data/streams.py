@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,7 +24,16 @@ from storage.arrays import read_array
 from storage.errors import ObjectMissing
 from storage.objectstore import ObjectStore
 from workers.data.errors import DatasetInvalid, DatasetMissing
-from workers.data.manifest import ARRAYS, MANIFEST, DatasetManifest
+from workers.data.lazy import LazyTokens, ShardReader
+from workers.data.manifest import (
+    ARRAYS,
+    FORMAT_SHARDS,
+    MANIFEST,
+    DatasetManifest,
+    ShardedManifest,
+)
+
+Tokens = np.ndarray | LazyTokens
 
 
 @dataclass(frozen=True)
@@ -38,13 +48,14 @@ class DatasetFile:
 
 @dataclass(frozen=True)
 class TokenDataset:
-    """A prepared dataset, in memory and verified. See `open_dataset`."""
+    """A prepared dataset, verified. See `open_dataset`. The tokens are arrays in
+    memory (format 1) or `LazyTokens` read on demand (format 2, shards)."""
 
     url: str
-    manifest: DatasetManifest
-    train_tokens: np.ndarray
+    manifest: DatasetManifest | ShardedManifest
+    train_tokens: Tokens
     train_offsets: np.ndarray
-    val_tokens: np.ndarray
+    val_tokens: Tokens
     val_offsets: np.ndarray
 
     @property
@@ -67,6 +78,11 @@ class TokenDataset:
     def fingerprint(self) -> str:
         """A short hash of the token arrays' contents (not of names or times): equal
         fingerprints mean equal tokens."""
+        if isinstance(self.manifest, ShardedManifest):
+            shards = [(s.dtype, s.tokens, s.block_bytes, s.crc32c) for s in self.manifest.shards]
+            files = [(f.train_tokens, f.val_tokens) for f in self.manifest.files]
+            blob = json.dumps({"shards": shards, "files": files}).encode()
+            return hashlib.sha256(blob).hexdigest()[:16]
         records = {k: a.record for k, a in self.manifest.arrays.items()}
         return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -89,8 +105,11 @@ def open_dataset(url: str, storage_options: dict | None = None) -> TokenDataset:
             f"`python -m workers.data prepare SOURCE... --out {store.url}`"
         ) from None
     try:
+        if json.loads(raw).get("format") == FORMAT_SHARDS:
+            return _open_sharded(store, ShardedManifest.model_validate_json(raw),
+                                 storage_options, where)
         manifest = DatasetManifest.model_validate_json(raw)
-    except ValidationError as exc:
+    except (ValidationError, ValueError) as exc:
         raise DatasetInvalid(f"{where} does not validate:\n{exc}") from exc
     missing = [k for k in ARRAYS if k not in manifest.arrays]
     if missing:
@@ -133,14 +152,50 @@ def open_dataset(url: str, storage_options: dict | None = None) -> TokenDataset:
     )
 
 
+def _open_sharded(store: ObjectStore, manifest: ShardedManifest,
+                  storage_options: dict | None, where: str) -> TokenDataset:
+    """A format-2 dataset: nothing is read but the index; blocks come on demand."""
+    total = sum(s.tokens for s in manifest.shards)
+    if total != sum(f.tokens for f in manifest.files):
+        raise DatasetInvalid(f"{where}: the shards hold {total} tokens, the files "
+                             f"{sum(f.tokens for f in manifest.files)}")
+    for s in manifest.shards:
+        blocks = -(-s.tokens * np.dtype(s.dtype).itemsize // s.block_bytes)
+        if len(s.crc32c) != 4 * -(-4 * blocks // 3) or s.block_bytes % 4:
+            raise DatasetInvalid(f"{where}: shard {s.url} has checksums for the wrong number "
+                                 f"of blocks (expected {blocks})")
+    urls = [store.full_url(s.url) if s.stored else s.url for s in manifest.shards]
+    reader = ShardReader(manifest.shards, urls, manifest.dtype,
+                         storage_options=storage_options)
+    train, val, at = [], [], 0
+    for f in manifest.files:
+        train.append((at, at + f.train_tokens))
+        val.append((at + f.train_tokens, at + f.tokens))
+        at += f.tokens
+    return TokenDataset(
+        url=store.url, manifest=manifest,
+        train_tokens=LazyTokens(reader, train), val_tokens=LazyTokens(reader, val),
+        train_offsets=_offsets([f.train_tokens for f in manifest.files]),
+        val_offsets=_offsets([f.val_tokens for f in manifest.files]),
+    )
+
+
+def _offsets(counts: list[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+
+
 # -- batches ----------------------------------------------------------------------
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
+def _windows(tokens: Tokens, starts: np.ndarray, seq_len: int) -> Batch:
     """x = tokens[s : s + seq_len], y = tokens[s + 1 : s + seq_len + 1] per start s."""
+    if isinstance(tokens, LazyTokens):
+        rows = tokens.read_ranges([(int(s), int(s) + seq_len + 1) for s in starts])
+        w = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
     idx = starts[:, None] + np.arange(seq_len + 1, dtype=np.int64)
     w = torch.from_numpy(tokens[idx].astype(np.int64))
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
@@ -194,6 +249,8 @@ class WorkerStream:
         self._starts = np.array([a for a, _ in self.ranges], dtype=np.int64)
         self._cum = np.cumsum(np.maximum(lengths - seq_len, 0))
         self._lengths = lengths
+        self._ahead: tuple[int, Future[Batch]] | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     def _assign(self) -> list[tuple[int, int]]:
         w, n, ds = self.worker_index, self.num_workers, self.dataset
@@ -250,9 +307,21 @@ class WorkerStream:
         return _windows(self.dataset.train_tokens, starts, self.seq_len)
 
     def next_batch(self) -> Batch:
-        """``(x, y)``, LongTensors of shape [batch_size, seq_len], y = x shifted by one."""
-        out = self.batch(self.batch_index)
+        """``(x, y)``, LongTensors of shape [batch_size, seq_len], y = x shifted by one.
+
+        With lazily read data, the following batch is read ahead in a background
+        thread (batches are pure functions of their index), so the step does not
+        wait for storage."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == self.batch_index:
+            out = ahead[1].result()
+        else:
+            out = self.batch(self.batch_index)
         self.batch_index += 1
+        if isinstance(self.dataset.train_tokens, LazyTokens):
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="read-ahead")
+            self._ahead = (self.batch_index, self._pool.submit(self.batch, self.batch_index))
         return out
 
     def seek(self, batch_index: int) -> None:

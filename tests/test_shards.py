@@ -1,0 +1,201 @@
+"""Token shards used in place (.bin, llm.c .bin, .npy), read lazily and verified.
+
+The same tokens as a text file give the same batches, from local paths and from
+memory:// and S3 URLs (ranged reads); bad shards are refused with one-line errors
+before anything is written; a block changed after indexing is caught on read.
+Run: ``.venv/bin/pytest tests/test_shards.py -q``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+
+from storage.objectstore import ObjectStore
+from workers.data.errors import ShardCorrupt, ShardInvalid
+from workers.data.lazy import LazyTokens
+from workers.data.prepare import prepare_data
+from workers.data.streams import TokenDataset, WorkerStream, open_dataset, val_batches
+
+TEXTS = ["".join(chr(32 + (i * 7 + k) % 90) for i in range(3000 + 500 * k)) for k in range(2)]
+
+
+def memory_url() -> str:
+    return f"memory://shards-test-{uuid.uuid4().hex[:12]}"
+
+
+def write_shard(path: Path, ids: np.ndarray, kind: str) -> None:
+    """``ids`` as a shard of ``kind``: bin16, bin32, llmc, npy16, npy32."""
+    if kind == "llmc":
+        header = np.zeros(256, dtype="<i4")
+        header[:3] = (20240520, 1, len(ids))
+        path.write_bytes(header.tobytes() + ids.astype("<u2").tobytes())
+    elif kind.startswith("npy"):
+        np.save(path, ids.astype("<u2" if kind == "npy16" else "<u4"))
+    else:
+        path.write_bytes(ids.astype("<u2" if kind == "bin16" else "<u4").tobytes())
+
+
+SUFFIX = {"bin16": ".bin", "bin32": ".bin", "llmc": ".bin", "npy16": ".npy", "npy32": ".npy"}
+
+
+@pytest.fixture(scope="module")
+def text_dataset(tmp_path_factory: pytest.TempPathFactory) -> TokenDataset:
+    tmp = tmp_path_factory.mktemp("text")
+    paths = []
+    for i, text in enumerate(TEXTS):
+        (tmp / f"t{i}.txt").write_text(text)
+        paths.append(str(tmp / f"t{i}.txt"))
+    url = memory_url()
+    prepare_data(paths, url, val_fraction=0.1)
+    return open_dataset(url)
+
+
+def assert_same_batches(a: TokenDataset, b: TokenDataset) -> None:
+    for split in ("even", "by_file"):
+        for slot in (0, 1):
+            sa = WorkerStream(a, slot, 2, split=split, seq_len=32, batch_size=4, seed=3)
+            sb = WorkerStream(b, slot, 2, split=split, seq_len=32, batch_size=4, seed=3)
+            for _ in range(4):
+                (xa, ya), (xb, yb) = sa.next_batch(), sb.next_batch()
+                assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    va = val_batches(a, seq_len=32, batch_size=3, num_batches=2)
+    vb = val_batches(b, seq_len=32, batch_size=3, num_batches=2)
+    for (xa, ya), (xb, yb) in zip(va, vb, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+@pytest.mark.parametrize("kind", list(SUFFIX))
+def test_each_format_gives_the_text_paths_batches(
+    kind: str, tmp_path: Path, text_dataset: TokenDataset
+) -> None:
+    paths = []
+    for i, text in enumerate(TEXTS):
+        p = tmp_path / f"s{i}{SUFFIX[kind]}"
+        write_shard(p, np.frombuffer(text.encode(), dtype=np.uint8), kind)
+        paths.append(str(p))
+    url = memory_url()
+    info = prepare_data(paths, url, val_fraction=0.1,
+                        dtype="uint32" if kind == "bin32" else None)
+    assert "2 shards referenced in place" in info.notes[0]
+    ds = open_dataset(url)
+    assert isinstance(ds.train_tokens, LazyTokens)
+    assert ds.train_offsets.tolist() == text_dataset.train_offsets.tolist()
+    assert json.loads(ObjectStore(url).get("dataset.json"))["format"] == "diloco-flows/dataset/2"
+    assert_same_batches(text_dataset, ds)
+    # a directory and a glob name the same shards
+    same = open_dataset(_prepared([str(tmp_path / f"*{SUFFIX[kind]}")], kind))
+    assert same.fingerprint == ds.fingerprint
+
+
+def _prepared(sources: list[str], kind: str, **kwargs: Any) -> str:
+    url = memory_url()
+    prepare_data(sources, url, val_fraction=0.1, dtype="uint32" if kind == "bin32" else None,
+                 **kwargs)
+    return url
+
+
+def test_shards_from_a_memory_url_are_read_by_ranges(text_dataset: TokenDataset) -> None:
+    root = memory_url()
+    fs = fsspec.filesystem("memory")
+    for i, text in enumerate(TEXTS):
+        ids = np.frombuffer(text.encode(), dtype=np.uint8).astype("<u2")
+        with fs.open(f"{root}/shards/s{i}.bin", "wb") as f:
+            f.write(ids.tobytes())
+    ds = open_dataset(_prepared([f"{root}/shards"], "bin16"))
+    assert_same_batches(text_dataset, ds)
+
+
+@pytest.mark.s3
+@pytest.mark.s3_backends("moto")  # ranged reads through s3fs: one server is enough
+def test_shards_on_s3_and_local_shards_copied(
+    s3_endpoint: tuple[str, dict[str, Any]], s3_bucket: str, tmp_path: Path,
+    text_dataset: TokenDataset,
+) -> None:
+    url, opts = f"s3://{s3_bucket}/{uuid.uuid4().hex[:12]}", s3_endpoint[1]
+    store = ObjectStore(url, storage_options=opts)
+    for i, text in enumerate(TEXTS):
+        store.put(f"in/s{i}.bin", np.frombuffer(text.encode(), np.uint8).astype("<u2").tobytes())
+    prepare_data([f"{url}/in"], f"{url}/ds", val_fraction=0.1, storage_options=opts)
+    assert_same_batches(text_dataset, open_dataset(f"{url}/ds", storage_options=opts))
+
+    local = []
+    for i, text in enumerate(TEXTS):
+        local.append(tmp_path / f"l{i}.bin")
+        write_shard(local[-1], np.frombuffer(text.encode(), np.uint8), "bin16")
+    info = prepare_data([str(p) for p in local], f"{url}/ds2", val_fraction=0.1,
+                        storage_options=opts)
+    assert any("2 local shards copied" in n for n in info.notes)
+    for p in local:
+        p.unlink()  # the dataset no longer needs them
+    assert_same_batches(text_dataset, open_dataset(f"{url}/ds2", storage_options=opts))
+
+
+def test_resume_gives_the_same_next_batches(tmp_path: Path) -> None:
+    p = tmp_path / "a.bin"
+    write_shard(p, np.arange(200_000) % 50_000, "bin16")
+    url = _prepared([str(p)], "bin16", tokenizer="ids:50000")
+    ds = open_dataset(url)
+    s = WorkerStream(ds, 1, 2, seq_len=64, batch_size=8, seed=1)
+    for _ in range(3):
+        s.next_batch()
+    state = json.loads(json.dumps(s.state_dict()))
+    rest = [s.next_batch() for _ in range(3)]
+    again = WorkerStream(open_dataset(url), 1, 2, seq_len=64, batch_size=8, seed=1)
+    again.load_state_dict(state)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(rest, [again.next_batch()
+                                                             for _ in range(3)], strict=True))
+
+
+@pytest.mark.parametrize(
+    ("kind", "ids", "dtype", "message"),
+    [
+        ("npyf", np.arange(100), None, r"a\.npy.*dtype is <f4"),
+        ("bin16", np.arange(101) % 200, "uint32", r"a\.bin: 202 bytes is not a whole number of "
+         r"uint32 ids; data\.dtype"),
+        ("bin16", np.arange(200) % 200 + 1, "uint32", r"a\.bin: id \d+ .* outside the vocabulary "
+         r"of 256 as uint32; is data\.dtype right"),
+        ("bin32", np.arange(100) % 200 + 1, None, r"a\.bin: every second id is 0.*data\.dtype "
+         r"to uint32"),
+        ("npy16", np.arange(100) % 200, "uint32", r"a\.npy: data\.dtype is uint32, but its "
+         r"\.npy header says uint16"),
+        ("bin16", np.arange(10), None, r"shard .*a\.bin holds 10 tokens, fewer than one "
+         r"sequence of seq_len \+ 1 = 65"),
+    ],
+    ids=["npy-float32", "bin-odd-size", "uint16-as-uint32", "uint32-as-uint16",
+         "npy-vs-data.dtype", "too-short"],
+)
+def test_bad_shards_are_refused_and_nothing_is_written(
+    kind: str, ids: np.ndarray, dtype: str | None, message: str, tmp_path: Path
+) -> None:
+    p = tmp_path / ("a.npy" if kind.startswith("npy") else "a.bin")
+    if kind == "npyf":
+        np.save(p, ids.astype(np.float32))
+    else:
+        write_shard(p, ids, kind)
+    out = tmp_path / "out"
+    with pytest.raises(ShardInvalid, match=message) as info:
+        prepare_data([str(p)], str(out), dtype=dtype, min_tokens=65)
+    assert "\n" not in str(info.value)
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_block_changed_after_indexing_is_caught(tmp_path: Path) -> None:
+    p = tmp_path / "a.bin"
+    write_shard(p, np.arange(300_000) % 256, "bin16")
+    url = _prepared([str(p)], "bin16")
+    ds = open_dataset(url)
+    data = bytearray(p.read_bytes())
+    data[200_000] ^= 1  # in block 3 (64 KiB blocks)
+    p.write_bytes(bytes(data))
+    with pytest.raises(ShardCorrupt, match=r"a\.bin, bytes 196608\.\.262144 \(block 3\) fails "
+                       r"its crc32c"):
+        ds.train_tokens[100_000:100_010]
+    assert len(ds.train_tokens[0:10]) == 10  # other blocks still read
