@@ -1,4 +1,5 @@
-"""Every benchmark in one command: codecs, exchange, quality, traffic, bandwidth, elastic.
+"""Every benchmark in one command: codecs, exchange, quality, traffic, bandwidth, elastic,
+prepare.
 
     .venv/bin/python -m benchmarks.run_all [--only quality,traffic] [--quick] [--no-mlflow] \\
         [--results-dir DIR]
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from benchmarks.report import RESULTS, ROOT, stop_on_sigterm
 
-BENCHMARKS = ("codecs", "exchange", "quality", "traffic", "bandwidth", "elastic")
+BENCHMARKS = ("codecs", "exchange", "quality", "traffic", "bandwidth", "elastic", "prepare")
 
 # Full-size arguments are each benchmark's defaults; quick ones are smoke-test sized.
 QUICK: dict[str, list[str]] = {
@@ -46,6 +47,7 @@ QUICK: dict[str, list[str]] = {
     "bandwidth": ["--caps", "none,10", "--steps", "6", "--sync-every", "4"],
     "elastic": ["--steps", "36", "--sync-every", "6", "--model",
                 "{d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}"],
+    "prepare": ["--size-mb", "8", "--file-mb", "4", "--train-mb", "2"],
 }
 MODULES = {name: f"benchmarks.bench_{name}" for name in BENCHMARKS}
 HAS_MLFLOW = {"quality", "traffic", "bandwidth"}

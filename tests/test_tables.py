@@ -183,3 +183,21 @@ def test_token_ids_outside_the_vocabulary_name_the_row_and_id(tmp_path):
 def test_table_suffixes():
     assert is_table("s3://b/fineweb/000.PARQUET") and is_table("x.feather")
     assert not is_table("notes.txt") and not is_table("train.bin")
+
+
+def test_the_preparation_benchmark_reads_the_same_tokens_from_text_and_parquet(tmp_path):
+    """benchmarks/bench_prepare at 1 MB: both paths see every byte of the corpus once."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks import bench_prepare
+
+    report = bench_prepare.main(["--size-mb", "1", "--file-mb", "0.4", "--cases",
+                                 "text-byte,parquet-byte", "--workdir", str(tmp_path),
+                                 "--results-dir", str(tmp_path / "results")])
+    text, table = report["cases"]
+    assert report["corpus"]["files"] == 3 and 0.99 < report["corpus"]["text_mb"] <= 1
+    assert text["tokens"] == table["tokens"] == table["text_bytes"] == text["text_bytes"]
+    assert text["bytes_written"] > text["tokens"] and table["progress_calls"] >= 3
+    assert "| parquet-byte |" in (tmp_path / "results" / "prepare.md").read_text()
+    assert list(tmp_path.iterdir()) == [tmp_path / "results"]  # the corpus is removed
