@@ -195,3 +195,92 @@ def test_bf16_weights_are_cast_to_float32():
     load_hf_state_dict(model, sd, source="bf16")
     assert model.embed.weight.dtype == torch.float32
     assert torch.equal(model.embed.weight, sd["model.embed_tokens.weight"].float())
+
+
+# --- the run config and create_run ------------------------------------------------
+
+def _llama_dir(tmp_path, **extra):
+    """A tiny Llama checkpoint saved the Hugging Face way; its directory."""
+    cfg = transformers.LlamaConfig(**{**TINY, "vocab_size": 256,
+                                      "max_position_embeddings": 128, **extra})
+    torch.manual_seed(5)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    hf.save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama"
+
+
+def test_run_config_keeps_the_hf_config_for_workers_that_cannot_read_the_file(tmp_path):
+    from workers.config import RunConfig, load_config
+
+    path = _llama_dir(tmp_path) / "config.json"
+    cfg = load_config("tiny", [f"model.hf_config={path}", "model.overrides={z_loss: 0.1}",
+                               "data.seq_len=64"])
+    expected = from_hf_config(json.loads(path.read_text()), source="x").model_copy(
+        update={"z_loss": 0.1})
+    assert cfg.model_config_resolved == expected
+    dumped = json.dumps(cfg.model_dump(mode="json"))
+    path.unlink()  # what a worker on another machine sees
+    again = RunConfig.model_validate(json.loads(dumped))
+    assert again.model_config_resolved == expected
+
+
+def test_run_config_errors_name_the_field(tmp_path):
+    from workers.config import ConfigError, load_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**transformers.LlamaConfig(**TINY).to_dict(),
+                                "hidden_act": "gelu"}))
+    with pytest.raises(ConfigError, match=r"model.hf_config .*field 'hidden_act' = 'gelu'"):
+        load_config("tiny", [f"model.hf_config={path}"])
+    with pytest.raises(ConfigError, match=r"model.hf_config .*missing.json: cannot read"):
+        load_config("tiny", [f"model.hf_config={tmp_path}/missing.json"])
+    with pytest.raises(ConfigError, match="model.preset 'small' and model.hf_config"):
+        load_config("tiny", ["model.preset=small",
+                             f"model.hf_config={_llama_dir(tmp_path) / 'config.json'}"])
+
+
+@pytest.fixture(scope="module")
+def dataset() -> str:
+    from workers.data.prepare import prepare_data
+
+    url = "memory://test-hf/dataset"
+    prepare_data(["builtin:shakespeare"], url, max_bytes=50_000)
+    return url
+
+
+def test_init_from_starts_the_run_from_the_file_bit_for_bit(tmp_path, dataset):
+    from diloco.run import load_canonical, plan_for
+    from workers.config import load_config
+    from workers.locate import open_run
+    from workers.runs import create_run
+
+    src = _llama_dir(tmp_path, tie_word_embeddings=False)
+    cfg = load_config("tiny", [f"model.hf_config={src / 'config.json'}",
+                               f"model.init_from={src}", f"data.dataset={dataset}",
+                               "data.seq_len=64", "sync.fragments=2"])
+    url = f"file://{tmp_path}/run"
+    create_run(cfg, url)
+    model = build_model(cfg.model_config_resolved, seed=99)  # other weights, overwritten
+    load_canonical(open_run(url), plan_for(model, cfg.sync), model)
+    weights = read_safetensors(str(src / "model.safetensors"))
+    got = to_hf_state_dict(model)
+    assert got.keys() == weights.keys()
+    assert all(torch.equal(got[k], weights[k]) for k in got)
+
+
+def test_init_from_with_a_missing_tensor_writes_nothing(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from workers.config import ConfigError, load_config
+    from workers.runs import create_run
+
+    src = _llama_dir(tmp_path)
+    weights = load_file(src / "model.safetensors")
+    weights.pop("model.layers.1.self_attn.k_proj.weight")
+    save_file(weights, tmp_path / "broken.safetensors")
+    cfg = load_config("tiny", [f"model.hf_config={src / 'config.json'}", "data.seq_len=64",
+                               f"model.init_from={tmp_path / 'broken.safetensors'}"])
+    with pytest.raises(ConfigError, match=r"model.init_from .*broken.safetensors: .*missing "
+                                          r"model.layers.1.self_attn.k_proj.weight"):
+        create_run(cfg, f"{tmp_path}/run")
+    assert not (tmp_path / "run").exists()  # not even the dataset

@@ -10,6 +10,7 @@ use dotted paths (``sync.sync_every=20``, ``model.n_layers=2``).
 from __future__ import annotations
 
 import copy
+import json
 from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -28,7 +29,8 @@ from pydantic import (
 from diloco.config import SyncConfig
 from diloco.strict import names_unknown_fields
 from storage import layout
-from storage.backends import refuse_credentials, safe_url
+from storage.backends import open_backend, refuse_credentials, safe_url
+from workers.hf_config import from_hf_config
 from workers.model import PRESETS, ModelConfig
 
 #: The shipped recipes (``workers/recipes/*.yaml``): package data, so a wheel installed
@@ -45,10 +47,39 @@ class _Strict(BaseModel):
 
 
 class ModelSection(_Strict):
-    """A preset plus overrides of any ModelConfig field."""
+    """A preset, or a Hugging Face config.json, plus overrides of any ModelConfig field.
+
+    ``hf_config`` is read once, where the run is configured, into ``hf`` (the parsed
+    dict): the whole section is stored in the run manifest, and a worker on another
+    machine validates that copy without access to the user's path. ``init_from``
+    (pretrained safetensors, HF layout) is read by ``workers.runs.create_run`` only.
+    """
 
     preset: str = "tiny"
+    hf_config: str | None = Field(
+        default=None, description="path or URL of a Hugging Face config.json (Llama, "
+        "Mistral, Qwen2); replaces the preset"
+    )
+    hf: dict[str, Any] | None = Field(
+        default=None, description="the parsed hf_config, filled in from the file"
+    )
+    init_from: str | None = Field(
+        default=None, description="pretrained weights to start from: a .safetensors file "
+        "or a directory/URL with model.safetensors[.index.json]"
+    )
     overrides: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("hf_config", "init_from")
+    @classmethod
+    def _no_credentials(cls, url: str | None) -> str | None:
+        return _url_without_credentials(url)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_hf_config(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("hf_config") and data.get("hf") is None:
+            return {**data, "hf": _read_json(str(data["hf_config"]))}
+        return data
 
     @model_validator(mode="after")
     def _valid(self) -> ModelSection:
@@ -56,11 +87,19 @@ class ModelSection(_Strict):
             raise ValueError(
                 f"model.preset {self.preset!r} is not known; allowed: {', '.join(PRESETS)}"
             )
+        if self.hf is not None and self.preset != "tiny":
+            raise ValueError(
+                f"model.preset {self.preset!r} and model.hf_config are both set; use one"
+            )
         self.resolve()
         return self
 
     def resolve(self) -> ModelConfig:
-        base = PRESETS[self.preset].model_dump()
+        if self.hf is not None:
+            source = self.hf_config or "model.hf"
+            base = from_hf_config(self.hf, source=source).model_dump()
+        else:
+            base = PRESETS[self.preset].model_dump()
         unknown = sorted(set(self.overrides) - set(base))
         if unknown:
             raise ValueError(
@@ -68,6 +107,19 @@ class ModelSection(_Strict):
                 f"{', '.join(base)}"
             )
         return ModelConfig(**{**base, **self.overrides})
+
+
+def _read_json(url: str) -> dict[str, Any]:
+    """The JSON object at ``url`` (a path or fsspec URL), or one line naming it."""
+    try:
+        backend = open_backend(url)
+        with backend.fs.open(backend.root, "rb") as f:
+            data = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model.hf_config {url}: cannot read a JSON config.json ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"model.hf_config {url}: expected a JSON object")
+    return data
 
 
 class DataConfig(_Strict):

@@ -122,7 +122,12 @@ def read_safetensors(path_or_url: str, storage_options: dict | None = None
     for path in files:
         if not fs.exists(path):
             raise ValueError(f"init_from {backend.url}: shard {path.rsplit('/', 1)[-1]} is missing")
-        out.update(load_bytes(read(path)))
+        try:
+            out.update(load_bytes(read(path)))
+        except Exception as exc:  # noqa: BLE001 - SafetensorError is no ValueError
+            name = path.rsplit("/", 1)[-1]
+            raise ValueError(f"init_from {backend.url}: {name} is not a safetensors file "
+                             f"({exc})") from None
     return out
 
 

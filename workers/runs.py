@@ -24,6 +24,7 @@ from workers.config import ConfigError, RunConfig, load_config
 from workers.data.errors import DatasetMissing
 from workers.data.prepare import prepare_data
 from workers.data.streams import open_dataset
+from workers.hf_weights import load_hf_state_dict, read_safetensors
 from workers.locate import absolute, open_run
 from workers.model import Transformer, build_model, describe
 from workers.report import snapshot
@@ -62,17 +63,21 @@ def create_run(
     """Create the run at ``run_url`` (RunExists if one is there already).
 
     The initial parameters are those of ``model`` when given, else the canonical
-    model of the run at ``init_from`` (a continuation), else a fresh model from
-    ``train.seed``.
+    model of the run at ``init_from`` (a continuation), else the pretrained weights
+    of ``model.init_from`` (read and checked before anything is written), else a
+    fresh model from ``train.seed``.
     """
-    ensure_dataset(cfg, run_url, storage_options=storage_options, progress=progress)
+    built = model is None
     if model is None:
         model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)
-        if init_from:
-            parent = open_run(init_from, storage_options)
-            applied = load_canonical(parent, plan_for(model, cfg.sync), model)
-            log.info("starting from the canonical model of %s (rounds per fragment: %s)",
-                     init_from, applied)
+        if not init_from and cfg.model.init_from:
+            _load_pretrained(model, cfg.model.init_from, storage_options)
+    ensure_dataset(cfg, run_url, storage_options=storage_options, progress=progress)
+    if built and init_from:
+        parent = open_run(init_from, storage_options)
+        applied = load_canonical(parent, plan_for(model, cfg.sync), model)
+        log.info("starting from the canonical model of %s (rounds per fragment: %s)",
+                 init_from, applied)
     plan = plan_for(model, cfg.sync)
     log.info("model: %s", describe(model))
     for frag in plan.fragments:
@@ -81,6 +86,17 @@ def create_run(
     store = ObjectStore(run_url, storage_options=storage_options)
     return new_run(store, model, cfg.sync, workers=cfg.workers, total_steps=cfg.train.steps,
                    plan=plan, user_config=cfg.model_dump(mode="json"))
+
+
+def _load_pretrained(model: Transformer, url: str, storage_options: dict | None) -> None:
+    """Load Hugging Face safetensors at ``url`` into ``model``; ConfigError naming
+    ``model.init_from`` when they cannot be read or do not fit the config."""
+    try:
+        load_hf_state_dict(model, read_safetensors(url, storage_options), source=url)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.{exc}" if str(exc).startswith("init_from") else
+                          f"model.init_from {url}: {exc}") from None
+    log.info("starting from the pretrained weights at %s", url)
 
 
 def latest_run(store: str, name: str, storage_options: dict | None = None) -> str:
