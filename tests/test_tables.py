@@ -95,6 +95,17 @@ def test_text_column_gives_the_text_files_tokens_with_nulls_skipped(tmp_path, bp
     np.testing.assert_array_equal(tokens(local(path), tok), want)
 
 
+def test_empty_rows_and_a_dictionary_encoded_text_column(tmp_path):
+    path = tmp_path / "d.parquet"
+    rows = ["", None, ""]
+    pq.write_table(pa.table({"text": rows, "cat": pa.array(LINES[:3]).dictionary_encode()}),
+                   path)
+    assert tokens(local(path)).size == 0
+    assert check_table(local(path), "cat").kind == "text"
+    assert tokens(local(path), column="cat").astype(np.uint8).tobytes() == \
+        "".join(LINES[:3]).encode()
+
+
 def test_token_columns_give_the_same_ids_in_every_list_type(tmp_path, bpe):
     tok = load_tokenizer(bpe)
     docs = [tok.encode(line) for line in LINES]
@@ -178,6 +189,11 @@ def test_token_ids_outside_the_vocabulary_name_the_row_and_id(tmp_path):
     pq.write_table(pa.table({"ids": pa.array([[1], [2, -1]], pa.list_(pa.int64()))}), neg)
     with pytest.raises(TokenOutOfRange, match=r"row 1 holds the token id -1"):
         tokens(local(neg))
+    holes = tmp_path / "holes.parquet"
+    pq.write_table(pa.table({"ids": pa.array([[1], [2], [3, None]], pa.list_(pa.int64()))}),
+                   holes)
+    with pytest.raises(TokenOutOfRange, match=r"holes.parquet: row 2 holds a null token id"):
+        tokens(local(holes))
 
 
 def test_table_suffixes():

@@ -271,6 +271,8 @@ def _choose_column(schema: pa.Schema, column: str | None, name: str) -> str:
 
 def _kind(field: pa.Field, name: str) -> str:
     t = field.type
+    if pa.types.is_dictionary(t):  # e.g. a pandas categorical: its values' type counts
+        t = t.value_type
     if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
         return "text"
     lists = pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
@@ -312,6 +314,8 @@ def _text_ids(
     arr: pa.Array, tokenizer: Tokenizer, dtype: np.dtype, name: str, first_row: int
 ) -> np.ndarray:
     """A text column's rows, tokenized row by row and concatenated."""
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_decode()
     arr = arr.drop_null()
     if len(arr) == 0:
         return np.zeros(0, dtype)
@@ -322,6 +326,8 @@ def _text_ids(
         wide = pa.types.is_large_string(arr.type)
         offsets = np.frombuffer(arr.buffers()[1], np.int64 if wide else np.int32)
         lo, hi = offsets[arr.offset], offsets[arr.offset + len(arr)]
+        if hi == lo:  # only empty strings: there may be no data buffer at all
+            return np.zeros(0, dtype)
         data = np.frombuffer(arr.buffers()[2], np.uint8)[lo:hi]
         return data.astype(dtype)
     rows = arr.to_pylist()
@@ -345,7 +351,7 @@ def _list_ids(
     if values.null_count:
         row = first_row + _row_of(arr, int(np.flatnonzero(values.is_null().to_numpy(
             zero_copy_only=False))[0]))
-        raise TokenOutOfRange(f"{name}: row {row} of column holds a null token id")
+        raise TokenOutOfRange(f"{name}: row {row} holds a null token id")
     ids = values.to_numpy(zero_copy_only=False)
     if ids.size == 0:
         return np.zeros(0, dtype)
