@@ -19,9 +19,14 @@ import numpy as np
 import pytest
 import torch
 
-from storage.errors import CorruptObject
 from storage.objectstore import ObjectStore
-from workers.data.errors import CorpusNotInstalled, DatasetExists, DatasetMissing, SourceNotFound
+from workers.data.errors import (
+    CorpusNotInstalled,
+    DatasetExists,
+    DatasetMissing,
+    ShardCorrupt,
+    SourceNotFound,
+)
 from workers.data.prepare import main, prepare_data
 from workers.data.streams import TokenDataset, WorkerStream, open_dataset, val_batches
 from workers.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -67,13 +72,15 @@ def test_round_trip_on_every_backend(two_files: list[Path], store_url: dict[str,
         storage_options=opts,
         progress=lambda name, done, total: seen.append((name, done, total)),
     )
-    assert seen == [(str(two_files[0]), 1, 2), (str(two_files[1]), 2, 2)]
+    na, nb = len(TEXT_A.encode()), len(TEXT_B.encode())
+    # progress by bytes of text read (one block per file here)
+    assert seen == [(str(two_files[0]), na, na + nb), (str(two_files[1]), na + nb, na + nb)]
 
     ds = open_dataset(url, storage_options=opts)
     assert ds.vocab_size == 256 and ds.tokenizer_spec == "byte"
     assert ds.train_tokens.dtype == np.uint16 and ds.val_tokens.dtype == np.uint16
     # byte tokenizer: tokens = UTF-8 bytes; val = last round(0.25 * n) of each file
-    na, nb = len(TEXT_A.encode()), len(TEXT_B.encode())  # 204 (incl. 9 two-byte chars), 208
+    # 180 bytes (incl. 9 two-byte chars), 208
     va, vb = int(na * 0.25 + 0.5), int(nb * 0.25 + 0.5)  # 51, 52
     assert ds.train_offsets.tolist() == [0, na - va, na - va + nb - vb]
     assert ds.val_offsets.tolist() == [0, va, va + vb]
@@ -88,7 +95,9 @@ def test_round_trip_on_every_backend(two_files: list[Path], store_url: dict[str,
     manifest = json.loads(ObjectStore(url, storage_options=opts).get("dataset.json"))
     assert manifest["counts"]["files"] == 2 and manifest["dtype"] == "uint16"
     assert [f["bytes"] for f in manifest["files"]] == [na, nb]
-    assert set(manifest["arrays"]) == {"train/tokens", "train/offsets", "val/tokens", "val/offsets"}
+    assert manifest["format"] == "diloco-flows/dataset/2"  # tokens as flat shards
+    assert [s["url"] for s in manifest["shards"]] == ["tokens/00000.bin"]
+    assert ObjectStore(url, storage_options=opts).size("tokens/00000.bin") == 2 * (na + nb)
 
     with pytest.raises(DatasetExists, match="already exists"):
         prepare_data([str(two_files[0])], url, storage_options=opts)
@@ -124,13 +133,13 @@ def test_open_missing_dataset_names_the_url() -> None:
         open_dataset(url)
 
 
-def test_tampered_array_is_refused(two_files: list[Path]) -> None:
+def test_tampered_tokens_are_refused(two_files: list[Path]) -> None:
     url = memory_url()
     prepare_data([str(p) for p in two_files], url)
     store = ObjectStore(url)
-    store.put("train/tokens/c/0", b"\x00" * store.size("train/tokens/c/0"))
-    with pytest.raises(CorruptObject, match="train/tokens"):
-        open_dataset(url)
+    store.put("tokens/00000.bin", b"\x00" * store.size("tokens/00000.bin"))
+    with pytest.raises(ShardCorrupt, match=r"tokens/00000\.bin.*crc32c"):
+        open_dataset(url).train_tokens[0:10]
 
 
 def test_builtin_shakespeare_subset() -> None:
@@ -342,7 +351,7 @@ def test_command_line(
     out = tmp_path / "ds"
     assert main(["prepare", *map(str, two_files), "--out", str(out), "--val-fraction", "0.5"]) == 0
     printed = capsys.readouterr()
-    assert "[1/2]" in printed.err and "[2/2]" in printed.err
+    assert f"MB/s] {two_files[0]}" in printed.err and f"MB/s] {two_files[1]}" in printed.err
     assert "files      2" in printed.out and "seconds" in printed.out
     assert open_dataset(out.as_uri()).files[1].name == str(two_files[1])
     assert main(["prepare", str(two_files[0]), "--out", str(out)]) == 1
@@ -362,5 +371,36 @@ def test_module_entry_runs_the_prepare_command(two_files: list[Path], tmp_path: 
         check=False,
     )
     assert run.returncode == 0, run.stderr
-    assert "[1/1]" in run.stderr and f"dataset    {out}" in run.stdout
+    assert "MB/s]" in run.stderr and f"dataset    {out}" in run.stdout
     assert open_dataset(out.as_uri()).files[0].name == str(two_files[0])
+
+
+def test_a_format_1_dataset_still_opens_and_streams(tmp_path: Path) -> None:
+    """Datasets prepared before the shards (zarr token arrays) open as before:
+    in memory, verified, the same batches as the same tokens in format 2."""
+    from storage.arrays import write_array
+    from workers.data.manifest import ArrayEntry, Counts, DatasetManifest, FileEntry, TokenizerEntry
+
+    ids = np.frombuffer(("abcdefghij" * 40).encode(), np.uint8).astype(np.uint16)
+    url = memory_url()
+    store = ObjectStore(url)
+    arrays = {}
+    for key, arr in (("train/tokens", ids[:360]), ("train/offsets", np.array([0, 360])),
+                     ("val/tokens", ids[360:]), ("val/offsets", np.array([0, 40]))):
+        record, _ = write_array(store, key, arr)
+        arrays[key] = ArrayEntry(shape=list(arr.shape), dtype=str(arr.dtype), record=record)
+    manifest = DatasetManifest(
+        tokenizer=TokenizerEntry(spec="byte", name="byte", vocab_size=256), dtype="uint16",
+        val_fraction=0.1, sources=["x"], arrays=arrays,
+        files=[FileEntry(name="x", bytes=400, tokens=400, train_tokens=360, val_tokens=40)],
+        counts=Counts(files=1, bytes=400, tokens=400, train_tokens=360, val_tokens=40))
+    store.put("dataset.json", manifest.to_json())
+    old = open_dataset(url)
+    assert isinstance(old.train_tokens, np.ndarray)
+    new = prepared(["abcdefghij" * 40], tmp_path, val_fraction=0.1)
+    for ds_a, ds_b in ((old, new),):
+        sa = WorkerStream(ds_a, 0, 1, seq_len=8, batch_size=4, seed=2)
+        sb = WorkerStream(ds_b, 0, 1, seq_len=8, batch_size=4, seed=2)
+        assert all(torch.equal(sa.next_batch()[0], sb.next_batch()[0]) for _ in range(3))
+    va, vb = (val_batches(d, seq_len=8, batch_size=2, num_batches=2) for d in (old, new))
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(va, vb, strict=True))

