@@ -284,3 +284,21 @@ def test_init_from_with_a_missing_tensor_writes_nothing(tmp_path):
                                           r"model.layers.1.self_attn.k_proj.weight"):
         create_run(cfg, f"{tmp_path}/run")
     assert not (tmp_path / "run").exists()  # not even the dataset
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parameter_count_matches_transformers(case):
+    """num_parameters() counts biases and an explicit head dim, as the model has them."""
+    hf = hf_model(case)
+    cfg = from_hf_config(hf.config.to_dict(), source=case)
+    ours = build_model(cfg)
+    assert cfg.num_parameters() == sum(p.numel() for p in ours.parameters())
+    assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters())
+
+
+def test_llama3_positions_build_rotary_tables_only_as_long_as_used():
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=131072)
+    model = build_model(cfg)
+    assert model.rope.cos.size(0) == 4096  # not 131072 rows
+    model(torch.zeros(1, 5000, dtype=torch.long))
+    assert model.rope.cos.size(0) == 5000
