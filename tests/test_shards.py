@@ -199,3 +199,86 @@ def test_a_block_changed_after_indexing_is_caught(tmp_path: Path) -> None:
                        r"its crc32c"):
         ds.train_tokens[100_000:100_010]
     assert len(ds.train_tokens[0:10]) == 10  # other blocks still read
+
+
+# -- prepared text and tables: streamed into shards ---------------------------------
+
+
+def _peak_preparing(path: Path, out: Path) -> tuple[int, list[tuple[str, int, int]]]:
+    import tracemalloc
+
+    seen: list[tuple[str, int, int]] = []
+    tracemalloc.start()
+    try:
+        prepare_data([str(path)], str(out), val_fraction=0.01,
+                     progress=lambda *a: seen.append(a))
+        return tracemalloc.get_traced_memory()[1], seen
+    finally:
+        tracemalloc.stop()
+
+
+def test_text_is_prepared_in_blocks_with_bounded_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers.data import writer
+
+    monkeypatch.setattr(writer, "TEXT_BLOCK", 1 << 20)
+    monkeypatch.setattr(writer, "SHARD_BYTES", 2 << 20)
+    line = b"".join(bytes([97 + i % 26]) * (i % 50) + b"\n" for i in range(200))
+    peaks = []
+    for mb in (4, 16):
+        src = tmp_path / f"big{mb}.txt"
+        src.write_bytes(line * (mb * (1 << 20) // len(line)))
+        peak, seen = _peak_preparing(src, tmp_path / f"out{mb}")
+        peaks.append(peak)
+        size = src.stat().st_size
+        assert len(seen) >= mb and seen[-1] == (str(src), size, size)  # ~one call per block
+        assert [d for _, d, _ in seen] == sorted(d for _, d, _ in seen)
+        ds = open_dataset((tmp_path / f"out{mb}").as_uri())
+        assert len(ds.manifest.shards) == -(-2 * size // (2 << 20))  # uint16: 2 bytes a token
+        assert bytes(ds.train_tokens[:5000].astype(np.uint8)) == src.read_bytes()[:5000]
+        tail = np.asarray(ds.val_tokens[len(ds.val_tokens) - 300:]).astype(np.uint8)
+        assert bytes(tail) == src.read_bytes()[-300:]  # the blocks' cuts lose nothing
+    # four times the text, about the same peak: a block of text and a shard of tokens
+    assert peaks[1] < peaks[0] * 1.5 and peaks[1] < 24 << 20, peaks
+
+
+def test_tables_give_the_text_paths_batches(tmp_path: Path, text_dataset: TokenDataset) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = []
+    for i, text in enumerate(TEXTS):
+        rows = [text[j: j + 100] for j in range(0, len(text), 100)]
+        pq.write_table(pa.table({"id": list(range(len(rows))), "body": rows}),
+                       tmp_path / f"t{i}.parquet", row_group_size=7)
+        paths.append(str(tmp_path / f"t{i}.parquet"))
+    url = memory_url()
+    prepare_data(paths, url, val_fraction=0.1, column="body")
+    assert_same_batches(text_dataset, open_dataset(url))
+
+    out = tmp_path / "out"
+    with pytest.raises(Exception, match=r"t0\.parquet.*text") as info:
+        prepare_data(paths, str(out), column="text")
+    assert "\n" not in str(info.value) and (not out.exists() or not any(out.iterdir()))
+
+
+def test_the_tokenizer_travels_with_the_dataset(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    text = "the quick brown fox jumps over the lazy dog\n" * 200
+    hf = Tokenizer(models.BPE(unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"],
+                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok_path, src = tmp_path / "tok.json", tmp_path / "a.txt"
+    hf.save(str(tok_path))
+    src.write_text(text)
+    url = memory_url()
+    prepare_data([str(src)], url, tokenizer=str(tok_path), val_fraction=0.0)
+    tok_path.unlink()  # another machine: only the dataset
+    ds = open_dataset(url)
+    assert ds.manifest.tokenizer.file == "tokenizer.json"
+    assert ds.tokenizer().decode(np.asarray(ds.train_tokens)) == text
+    assert len(ds.train_tokens) < len(text) / 3  # BPE merged the words

@@ -39,11 +39,12 @@ TOKENS_PREFIX = "tokens"
 
 
 def text_blocks(
-    src: SourceFile, limit: int | None, block_bytes: int = TEXT_BLOCK
+    src: SourceFile, limit: int | None, block_bytes: int | None = None
 ) -> Iterator[tuple[str, int]]:
     """(text, bytes of the file consumed so far) per block of ``src``, reading at
     most ``limit`` bytes (None: all; a character cut by the limit is dropped).
     Raises `DataError` naming the file if it is not UTF-8."""
+    block_bytes = block_bytes or TEXT_BLOCK
     decoder = codecs.getincrementaldecoder("utf-8")()
     consumed, carry = 0, b""
     with src.open() as f:
@@ -92,8 +93,9 @@ class ShardWriter:
     """Token ids appended in order, uploaded as flat token objects (see the module
     docstring). `close` uploads the last one and returns their index entries."""
 
-    def __init__(self, store: ObjectStore, dtype: np.dtype, *, shard_bytes: int = SHARD_BYTES,
+    def __init__(self, store: ObjectStore, dtype: np.dtype, *, shard_bytes: int | None = None,
                  block_bytes: int = BLOCK_BYTES) -> None:
+        shard_bytes = shard_bytes or SHARD_BYTES
         if shard_bytes % block_bytes or block_bytes % 4:
             raise ValueError(f"shard_bytes {shard_bytes} must be a multiple of block_bytes "
                              f"{block_bytes}, itself a multiple of 4")
