@@ -1,6 +1,8 @@
 """What a worker reads: an opened dataset, its training stream and the val batches.
 
-`open_dataset` loads the verified arrays into memory. `WorkerStream` gives one
+`open_dataset` reads the index; the tokens of a sharded dataset are read
+lazily, block by block (`workers.data.lazy`), format-1 arrays are loaded into
+memory as before. `WorkerStream` gives one
 worker its part of the train tokens (split ``even`` or ``by_file``), as random
 windows that are a pure function of (seed, worker, batch index), so a resumed
 worker sees exactly the batches it would have seen: its `state_dict` is the data
@@ -103,8 +105,11 @@ class TokenDataset:
 
 
 def open_dataset(url: str, storage_options: dict | None = None) -> TokenDataset:
-    """Read and verify the dataset at ``url`` (every object's sha256, the offsets
-    against the file list, every id against the vocabulary).
+    """Open the dataset at ``url``. Format 2 (shards): only ``dataset.json`` is read
+    and checked; token blocks are read and verified against their crc32c when a
+    batch needs them (`ShardCorrupt` then). Format 1 (zarr arrays): read and
+    verified whole (every object's sha256, the offsets against the file list,
+    every id against the vocabulary).
 
     Raises `DatasetMissing` if nothing was prepared at ``url``, `DatasetInvalid` if
     ``dataset.json`` does not validate, and the storage errors of `read_array`
