@@ -282,3 +282,28 @@ def test_the_tokenizer_travels_with_the_dataset(tmp_path: Path) -> None:
     assert ds.manifest.tokenizer.file == "tokenizer.json"
     assert ds.tokenizer().decode(np.asarray(ds.train_tokens)) == text
     assert len(ds.train_tokens) < len(text) / 3  # BPE merged the words
+
+
+def test_reading_is_bounded_by_the_cache_and_reads_ahead(tmp_path: Path) -> None:
+    p = tmp_path / "a.bin"
+    write_shard(p, np.arange(2_000_000) % 50_000, "bin16")  # 4 MB, 62 blocks of 64 KiB
+    ds = open_dataset(_prepared([str(p)], "bin16", tokenizer="ids:50000"))
+    reader = ds.train_tokens.reader
+    reader.cache_bytes = 4 << 16  # four blocks
+    s = WorkerStream(ds, 0, 1, seq_len=128, batch_size=8, seed=0)
+    first = s.next_batch()
+    ahead = s._ahead
+    assert ahead is not None and ahead[0] == 1  # batch 1 is being read already
+    expected = ahead[1].result()
+
+    def not_again(index: int) -> None:
+        raise AssertionError(f"batch {index} read in the step, not ahead")
+
+    s.batch = not_again  # type: ignore[method-assign]
+    assert s.next_batch() is expected  # the step took the batch read ahead
+    del s.batch
+    s._ahead = None  # batch 2 was read ahead with the stub: read it again
+    for _ in range(20):
+        s.next_batch()
+    assert reader._cached <= reader.cache_bytes and reader.fetched > 20
+    assert first[0].shape == (8, 128)
