@@ -32,18 +32,21 @@ def memory_url() -> str:
 
 
 def write_shard(path: Path, ids: np.ndarray, kind: str) -> None:
-    """``ids`` as a shard of ``kind``: bin16, bin32, llmc, npy16, npy32."""
-    if kind == "llmc":
+    """``ids`` as a shard of ``kind``: bin16, bin32, llmc (GPT-2: uint16), llmc32
+    (Llama 3: uint32), npy16, npy32."""
+    if kind.startswith("llmc"):
         header = np.zeros(256, dtype="<i4")
-        header[:3] = (20240520, 1, len(ids))
-        path.write_bytes(header.tobytes() + ids.astype("<u2").tobytes())
+        wide = kind == "llmc32"
+        header[:3] = (20240801 if wide else 20240520, 7 if wide else 1, len(ids))
+        path.write_bytes(header.tobytes() + ids.astype("<u4" if wide else "<u2").tobytes())
     elif kind.startswith("npy"):
         np.save(path, ids.astype("<u2" if kind == "npy16" else "<u4"))
     else:
         path.write_bytes(ids.astype("<u2" if kind == "bin16" else "<u4").tobytes())
 
 
-SUFFIX = {"bin16": ".bin", "bin32": ".bin", "llmc": ".bin", "npy16": ".npy", "npy32": ".npy"}
+SUFFIX = {"bin16": ".bin", "bin32": ".bin", "llmc": ".bin", "llmc32": ".bin", "npy16": ".npy",
+          "npy32": ".npy"}
 
 
 @pytest.fixture(scope="module")
