@@ -302,3 +302,22 @@ def test_llama3_positions_build_rotary_tables_only_as_long_as_used():
     assert model.rope.cos.size(0) == 4096  # not 131072 rows
     model(torch.zeros(1, 5000, dtype=torch.long))
     assert model.rope.cos.size(0) == 5000
+
+
+def test_read_safetensors_from_an_fsspec_url_shard_by_shard(tmp_path):
+    import fsspec
+
+    model = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4), seed=1)
+    files = write_hf_model(model, tmp_path / "m", base_config=None, max_shard_bytes=30_000)
+    fs = fsspec.filesystem("memory")
+    for name in files:
+        fs.pipe(f"/hf-url-test/m/{name}", (tmp_path / "m" / name).read_bytes())
+    back = read_safetensors("memory://hf-url-test/m")
+    expected = to_hf_state_dict(model)
+    assert back.keys() == expected.keys()
+    assert all(torch.equal(back[k], expected[k]) for k in back)
+    fs.rm(f"/hf-url-test/m/{[f for f in files if f.startswith('model-')][0]}")
+    with pytest.raises(ValueError, match=r"init_from memory://hf-url-test/m: shard model-0000"):
+        read_safetensors("memory://hf-url-test/m")
+    with pytest.raises(ValueError, match="no .safetensors file"):
+        read_safetensors("memory://hf-url-test/nothing-here")
