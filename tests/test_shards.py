@@ -310,3 +310,15 @@ def test_reading_is_bounded_by_the_cache_and_reads_ahead(tmp_path: Path) -> None
         s.next_batch()
     assert reader._cached <= reader.cache_bytes and reader.fetched > 20
     assert first[0].shape == (8, 128)
+
+
+def test_a_shard_gone_after_indexing_is_named(tmp_path: Path) -> None:
+    from workers.data.errors import ShardUnreadable
+
+    root = memory_url()
+    with fsspec.open(f"{root}/a.bin", "wb") as f:
+        f.write((np.arange(5000) % 256).astype("<u2").tobytes())
+    ds = open_dataset(_prepared([f"{root}/a.bin"], "bin16", max_files=1))
+    fsspec.filesystem("memory").rm(f"{root}/a.bin")
+    with pytest.raises(ShardUnreadable, match=r"a\.bin, bytes 0\.\.\d+ \(block 0\) cannot be read"):
+        ds.train_tokens[0:10]

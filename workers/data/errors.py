@@ -39,3 +39,8 @@ class ShardInvalid(DataError):
 
 class ShardCorrupt(DatasetInvalid):
     """A block of a token shard no longer matches the checksum its index recorded."""
+
+
+class ShardUnreadable(DataError):
+    """A block of a token shard cannot be read (after retries): the file or object
+    is gone, or the store keeps failing."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -23,11 +24,13 @@ import fsspec
 import google_crc32c
 import numpy as np
 
-from workers.data.errors import ShardCorrupt
+from workers.data.errors import ShardCorrupt, ShardUnreadable
 from workers.data.manifest import ShardEntry
 
 #: Default bytes of verified blocks a reader keeps.
 CACHE_BYTES = 64 << 20
+#: Reads of a block that failed (not a checksum: an error) are retried this often.
+RETRIES = 3
 
 Key = tuple[int, int]  # (shard, block)
 
@@ -102,9 +105,10 @@ class ShardReader:
             fs = self._targets[group[0][0]][0]
             spans = [self._block_span(k) for k in group]
             datas = fs.cat_ranges([self._targets[k[0]][1] for k in group],
-                                  [a for a, _ in spans], [b for _, b in spans])
+                                  [a for a, _ in spans], [b for _, b in spans],
+                                  on_error="return")
             for k, data in zip(group, datas, strict=True):
-                got[k] = self._verify(k, data)
+                got[k] = self._verify(k, self._retry(k, data))
         with self._lock:
             self.fetched += len(missing)
             for k in missing:
@@ -115,12 +119,26 @@ class ShardReader:
                 self._cached -= old.nbytes
         return got
 
+    def _retry(self, key: Key, data: bytes | Exception) -> bytes | Exception:
+        """A remote block whose ranged read failed, read again (transient errors)."""
+        fs, path = self._targets[key[0]]
+        for attempt in range(RETRIES):
+            if not isinstance(data, Exception) or isinstance(data, FileNotFoundError):
+                return data
+            time.sleep(0.2 * 2**attempt)
+            a, b = self._block_span(key)
+            try:
+                data = fs.cat_file(path, start=a, end=b)
+            except Exception as exc:  # noqa: BLE001 - kept, named below if it persists
+                data = exc
+        return data
+
     def _verify(self, key: Key, data: bytes | Exception) -> np.ndarray:
         shard, block = key
         a, b = self._block_span(key)
         where = f"token shard {self._urls[shard]}, bytes {a}..{b} (block {block})"
         if isinstance(data, Exception):
-            raise ShardCorrupt(f"{where} cannot be read: {data}")
+            raise ShardUnreadable(f"{where} cannot be read: {type(data).__name__}: {data}")
         if len(data) != b - a:
             raise ShardCorrupt(f"{where}: read {len(data)} bytes; the shard is shorter than "
                                "its index says")

@@ -113,6 +113,11 @@ def prepare_data(
                 if _protocol(s) == out_protocol and "://" in s}
     shards = collect_shards(sources, opts_for)
     if shards is not None:
+        if max_bytes is not None:
+            raise ValueError("max_bytes limits text; for token shards use max_files")
+        shards = shards if max_files is None else shards[: max(0, max_files)]
+        if not shards:
+            raise ValueError(f"max_files={max_files} leaves no shards to index")
         return _index(shards, sources, store, tokenizer, tok, dtype=shard_dtype,
                       val_fraction=val_fraction, min_tokens=min_tokens,
                       storage_options=storage_options, progress=progress, start=start)
