@@ -11,6 +11,8 @@
     diloco deploy                       # infra/prefect.yaml on $PREFECT_API_URL
     diloco bucket setup s3://b/runs --workers region-a,region-b --dry-run
     diloco prepare-data builtin:shakespeare --out runs/data/shakespeare
+    diloco export tiny-20260101-120000 --out my-model   # transformers loads my-model/
+    diloco sample tiny-20260101-120000 --prompt "ROMEO:"
 
 Each command lives in its own module of this package; this one builds the app.
 """
@@ -28,6 +30,7 @@ from cli.data import prepare_data
 from cli.deploy import deploy
 from cli.gc import gc
 from cli.members import join, leave
+from cli.model import export, sample
 from cli.status import cancel, status
 from cli.store import store_app
 from cli.train import resume, run
@@ -47,6 +50,8 @@ HELP = """Train one language model across regions with Streaming DiLoCo.
   diloco deploy                infra/prefect.yaml on $PREFECT_API_URL
   diloco bucket setup s3://BUCKET/PREFIX --workers a,b [--dry-run]
   diloco prepare-data builtin:shakespeare --out runs/data/shakespeare
+  diloco export RUN --out DIR  the canonical model for transformers (safetensors)
+  diloco sample RUN --prompt TEXT   a continuation by the canonical model
 
 Errors you can act on print one line and exit with status 2 (nothing is launched);
 a failed run exits 1, a cancelled one 3, Ctrl-C 130.
@@ -66,6 +71,8 @@ app.command()(join)
 app.command()(leave)
 app.command()(deploy)
 app.command("prepare-data")(prepare_data)
+app.command()(export)
+app.command()(sample)
 app.command()(bench)
 app.command("compare")(compare_command)
 app.add_typer(bucket_app)

@@ -463,4 +463,15 @@ class MlflowHooks(Hooks):
         parent_run.finish(self.links.client(), self.links.uri, self._require("parent"),
                           summary, self._config, so_far)
         state = str(summary.get("state", "finished"))
+        train = (self._config or {}).get("train") or {}
+        if state == "finished" and train.get("log_model", True):
+            try:
+                parent_run.log_model(self.links.client(), self.links.uri,
+                                     self._require("parent"), self.links.run_url,
+                                     self.links.storage_options)
+            except Exception as exc:  # noqa: BLE001 - the model stays in the store
+                with self._lock:
+                    self._dropped["artifacts"] += 1
+                log.warning("MLflow: the model was not logged (%s); `diloco export` "
+                            "writes it from the store", exc)
         self._end_run("parent", _STATUS.get(state, "FINISHED"), state)

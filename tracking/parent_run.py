@@ -151,3 +151,24 @@ def finish(client: Any, uri: str | None, parent: str, summary: dict[str, Any],
     metrics = [Metric(k, float(v), ts, 0) for k, v in results.items() if is_number(v)]
     if metrics:
         client.log_batch(parent, metrics=metrics, synchronous=True)
+
+
+def log_model(client: Any, uri: str | None, parent: str, run_url: str,
+              storage_options: dict | None) -> str:
+    """The run's final canonical model as the parent run's artifact ``model/``: the
+    directory `workers.export.export_run` writes (safetensors, config.json, the
+    tokenizer file), which ``transformers.AutoModelForCausalLM.from_pretrained`` loads
+    once downloaded (``mlflow.artifacts.download_artifacts``). Plain files, not the
+    MLflow transformers flavour: that flavour needs transformers in the train job and
+    an AutoTokenizer, and a byte-tokenizer run has none. Returns a one-line summary."""
+    from diloco.run import open_exchange  # noqa: PLC0415 - torch
+    from storage.objectstore import ObjectStore  # noqa: PLC0415
+    from workers.export import export_run  # noqa: PLC0415
+
+    exchange = open_exchange(ObjectStore(run_url, storage_options=storage_options))
+    with tempfile.TemporaryDirectory(prefix="diloco-model-") as tmp:
+        done = export_run(exchange, Path(tmp) / "model", storage_options=storage_options)
+        log_artifacts(client, uri, parent, done.out, "model")
+    client.set_tag(parent, "diloco.model", f"model/ (round {done.rounds}/{done.total_rounds}, "
+                                           f"{done.parameters} parameters)")
+    return f"round {done.rounds}/{done.total_rounds}, {done.bytes} bytes"

@@ -76,18 +76,26 @@ class TokenDataset:
         """The dataset's tokenizer, loaded from the copy in its store when it has a
         file (checked against the recorded sha256), so a machine without the
         original file (export, sample) has it."""
-        entry = self.manifest.tokenizer
-        if entry.file is None:
-            return load_tokenizer(entry.spec)
-        store = ObjectStore(self.url, storage_options=storage_options, name="dataset")
-        data = store.get(entry.file)
-        if hashlib.sha256(data).hexdigest() != entry.sha256:
-            raise DatasetInvalid(f"{store.full_url(entry.file)} fails its sha256 check")
+        data = self.tokenizer_file(storage_options)
+        if data is None:
+            return load_tokenizer(self.manifest.tokenizer.spec)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "tokenizer.json")
             with open(path, "wb") as f:
                 f.write(data)
             return load_tokenizer(path)
+
+    def tokenizer_file(self, storage_options: dict | None = None) -> bytes | None:
+        """The bytes of the dataset's tokenizer file (checked against its sha256), or
+        None when the tokenizer is not a file (``byte``, ``ids:N``)."""
+        entry = self.manifest.tokenizer
+        if entry.file is None:
+            return None
+        store = ObjectStore(self.url, storage_options=storage_options, name="dataset")
+        data = store.get(entry.file)
+        if hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise DatasetInvalid(f"{store.full_url(entry.file)} fails its sha256 check")
+        return data
 
     @property
     def files(self) -> list[DatasetFile]:
