@@ -160,7 +160,7 @@ def test_resume_gives_the_same_next_batches(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kind", "ids", "dtype", "message"),
     [
-        ("npyf", np.arange(100), None, r"a\.npy.*dtype is <f4"),
+        ("npyf", np.arange(100), None, r"a\.npy.*dtype is float32 \(<f4\)"),
         ("bin16", np.arange(101) % 200, "uint32", r"a\.bin: 202 bytes is not a whole number of "
          r"uint32 ids; data\.dtype"),
         ("bin16", np.arange(200) % 200 + 1, "uint32", r"a\.bin: id \d+ .* outside the vocabulary "

@@ -132,7 +132,21 @@ class DataConfig(_Strict):
         default_factory=lambda: ["builtin:shakespeare"],
         description="what prepare-data reads when the dataset does not exist yet",
     )
-    tokenizer: str = "byte"
+    tokenizer: str = Field(
+        default="byte",
+        description="'byte', a Hugging Face tokenizer .json file, or ids:N (token shards "
+                    "without a tokenizer: a vocabulary of N ids, no text)",
+    )
+    dtype: Literal["uint16", "uint32"] | None = Field(
+        default=None,
+        description="id type of raw .bin shards (nanoGPT); unset: uint16, or what a .npy "
+                    "or llm.c header says (a header it disagrees with is an error)",
+    )
+    column: str | None = Field(
+        default=None,
+        description="the text or token column of Parquet/Arrow sources; unset: 'text', "
+                    "else the first of input_ids, tokens, ids",
+    )
     val_fraction: float = Field(default=0.01, gt=0.0, lt=0.5)
     split: Literal["even", "by_file"] = "even"
     seq_len: int = Field(default=128, ge=2)

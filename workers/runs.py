@@ -18,16 +18,18 @@ import re
 from collections.abc import Callable
 
 from diloco.run import load_canonical, new_run, plan_for
+from storage import layout
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
 from workers.config import ConfigError, RunConfig, load_config
 from workers.data.errors import DatasetMissing
 from workers.data.prepare import prepare_data
-from workers.data.streams import open_dataset
+from workers.data.streams import TokenDataset, WorkerStream, open_dataset, val_batches
 from workers.hf_weights import load_hf_state_dict, read_safetensors
 from workers.locate import absolute, open_run
 from workers.model import Transformer, build_model, describe
 from workers.report import snapshot
+from workers.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +41,56 @@ def ensure_dataset(
     storage_options: dict | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> str:
-    """The dataset URL of the run, preparing the dataset from the sources if absent."""
+    """The dataset URL of the run, preparing the dataset from the sources if absent
+    (token shards are indexed where they are, see `workers.data`). The tokenizer's
+    vocabulary must fit the model's, checked before anything is written; a shard
+    shorter than one sequence is refused by the preparation, before it writes."""
     url = cfg.dataset_url(run_url)
+    vocab = cfg.model_config_resolved.vocab_size
     try:
-        open_dataset(url, storage_options)
+        dataset = open_dataset(url, storage_options)
     except DatasetMissing:
+        tok = load_tokenizer(cfg.data.tokenizer)
+        _fits(tok.vocab_size, f"data.tokenizer {tok.name}", vocab)
         log.info("preparing the dataset at %s from %s", url, ", ".join(cfg.data.sources))
         prepare_data(cfg.data.sources, url, tokenizer=cfg.data.tokenizer,
                      val_fraction=cfg.data.val_fraction, storage_options=storage_options,
-                     progress=progress)
+                     progress=progress, dtype=cfg.data.dtype, column=cfg.data.column,
+                     min_tokens=cfg.data.seq_len + 1)
+        try:
+            _usable(open_dataset(url, storage_options), cfg)
+        except ConfigError:
+            if cfg.data.dataset is None:  # the run's own, just prepared: leave no half run
+                ObjectStore(run_url, storage_options=storage_options).delete_prefix(
+                    layout.DATASET)
+            raise
+    else:
+        _fits(dataset.vocab_size, f"the dataset at {url} (tokenizer {dataset.tokenizer_spec})",
+              vocab)
+        _usable(dataset, cfg)
     return url
+
+
+def _usable(dataset: TokenDataset, cfg: RunConfig) -> None:
+    """Every data slot and the val split hold a sequence: checked before the run is
+    created, since the jobs would otherwise fail as they start."""
+    seq, split = cfg.data.seq_len, cfg.data.split
+    slots = (len(cfg.workers) if cfg.train.strategy == "data_parallel"
+             else cfg.data.slot_count(len(cfg.workers)))
+    try:
+        for slot in range(slots):
+            WorkerStream(dataset, slot, slots, split=split, seq_len=seq, batch_size=1)
+        val_batches(dataset, seq_len=seq, batch_size=1, num_batches=1)
+    except ValueError as exc:
+        raise ConfigError(f"data: {exc}") from None
+
+
+def _fits(data_vocab: int, what: str, model_vocab: int) -> None:
+    if data_vocab > model_vocab:
+        raise ConfigError(
+            f"{what} has a vocabulary of {data_vocab} ids, more than the model's vocab_size "
+            f"{model_vocab}: set model vocab_size >= {data_vocab} (model.overrides or the "
+            "hf_config), or use the tokenizer the model was made for")
 
 
 def create_run(

@@ -141,12 +141,7 @@ def prepare_data(
         if total == 0:
             raise DataError(
                 f"the sources {list(sources)!r} hold no text ({len(entries)} empty files)")
-        tok_entry = TokenizerEntry(spec=tokenizer, name=tok.name, vocab_size=tok.vocab_size,
-                                   sha256=_file_sha256(tokenizer))
-        if tok_entry.sha256 is not None:  # the tokenizer travels with the data
-            with open(tokenizer, "rb") as f:
-                store.put(TOKENIZER_FILE, f.read())
-            tok_entry.file = TOKENIZER_FILE
+        tok_entry = _tokenizer_entry(store, tokenizer, tok)
         manifest = ShardedManifest(
             tokenizer=tok_entry, dtype=str(dtype), val_fraction=val_fraction,
             sources=list(sources), files=entries, shards=shards,
@@ -213,6 +208,8 @@ def _index(shards: list, sources: list[str], store: ObjectStore, spec: str, tok:
                            val_fraction=val_fraction, min_tokens=min_tokens,
                            out_protocol=_protocol(store.url), progress=progress)
     copied = copy_shards(result.copies, store.full_url, storage_options)
+    stored = _tokenizer_entry(store, spec, tok)  # after every check: nothing written before
+    result.manifest.tokenizer = stored
     body = result.manifest.to_json()
     if not store.put_if_absent(MANIFEST, body):
         raise _exists(store, during=True)
@@ -227,6 +224,19 @@ def _index(shards: list, sources: list[str], store: ObjectStore, spec: str, tok:
         bytes_written=len(body) + copied, objects_written=1 + n_copied,
         seconds=time.perf_counter() - start, manifest=m, notes=notes,
     )
+
+
+def _tokenizer_entry(store: ObjectStore, spec: str, tok: Tokenizer) -> TokenizerEntry:
+    """The manifest's tokenizer entry; a tokenizer file is copied into the dataset
+    (``tokenizer.json``) so that it travels with the data: export and sample on
+    another machine read it from there."""
+    entry = TokenizerEntry(spec=spec, name=tok.name, vocab_size=tok.vocab_size,
+                           sha256=_file_sha256(spec))
+    if entry.sha256 is not None:
+        with open(spec, "rb") as f:
+            store.put(TOKENIZER_FILE, f.read())
+        entry.file = TOKENIZER_FILE
+    return entry
 
 
 def _exists(store: ObjectStore, *, during: bool = False) -> DatasetExists:

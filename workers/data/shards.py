@@ -137,8 +137,9 @@ def _npy_layout(f: ShardFile, head: bytes, dtype: str | None) -> tuple[str, int]
         raise ShardInvalid(f"shard {f.name}: not a readable .npy file: {exc}") from None
     if found.kind != "u" or found.itemsize not in (2, 4) or found.byteorder == ">":
         raise ShardInvalid(
-            f"shard {f.name}: the .npy dtype is {found.str}; token shards hold "
-            f"little-endian {' or '.join(DTYPES)} ids"
+            f"shard {f.name}: the .npy dtype is {found.name} ({found.str}); token shards "
+            f"hold little-endian {' or '.join(DTYPES)} ids: convert it, e.g. "
+            "np.save(path, ids.astype(np.uint16))"
         )
     if len(shape) != 1:
         raise ShardInvalid(f"shard {f.name}: the .npy array has shape {shape}; it must be 1-D")
