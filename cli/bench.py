@@ -18,7 +18,8 @@ import typer
 
 from cli.console import EXIT_FAILED, EXIT_INTERRUPTED, fail
 
-BENCHMARKS = ("codecs", "exchange", "quality", "traffic", "bandwidth", "elastic", "prepare")
+BENCHMARKS = ("codecs", "exchange", "quality", "traffic", "bandwidth", "elastic", "prepare",
+              "model")
 
 
 def checkout() -> Path:
@@ -46,7 +47,8 @@ def bench(
     """Measure against data-parallel: codecs, exchange latency, quality at equal
     tokens, traffic, compute utilisation under capped bandwidth (root), and elastic
     membership under faults (`diloco bench elastic`: workers killed, slow, joining), and
-    dataset preparation of a 1 GB text corpus (`diloco bench prepare`: MB/s, peak RSS).
+    dataset preparation of a 1 GB text corpus (`diloco bench prepare`: MB/s, peak RSS),
+    and our model class against transformers' (`diloco bench model`: ms per step).
 
     Each benchmark runs as its own process, one after the other; each writes JSON
     and Markdown, and benchmarks/results/summary.md gathers them. A full run takes

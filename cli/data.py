@@ -49,7 +49,7 @@ def prepare_data(
                            dtype=dtype, column=column)
     except (*user_errors(), ValueError, OSError, ImportError) as exc:
         raise fail(str(exc)) from None
-    console.print(f"dataset {info.url}: {info.files} files, {info.bytes_read:,} bytes of text, "
+    console.print(f"dataset {info.url}: {info.files} files, {info.bytes_read:,} bytes read, "
                   f"{info.train_tokens:,} train and {info.val_tokens:,} val tokens "
                   f"({info.seconds:.1f} s, "
                   f"{info.bytes_read / 1e6 / max(info.seconds, 1e-9):.1f} MB/s)")

@@ -375,3 +375,21 @@ def test_diloco_bench_elastic_is_wired():
 
     bad = CliRunner().invoke(app, ["bench", "elastic", "speed"])  # names as arguments
     assert bad.exit_code == 2 and "unknown speed" in bad.output and "elastic" in bad.output
+
+
+def test_bench_model_times_both_classes_and_the_imports(tmp_path):
+    """benchmarks/bench_model at smoke size: a step time for each class, the import
+    costs, the table; and `diloco bench` knows every benchmark run_all runs."""
+    from benchmarks import bench_model  # noqa: PLC0415
+    from cli.bench import BENCHMARKS  # noqa: PLC0415
+
+    report = bench_model.main(["--presets", "tiny", "--steps", "1", "--seq-len", "16",
+                               "--import-repeats", "1", "--results-dir", str(tmp_path)])
+    row = report["steps"][0]
+    assert row["preset"] == "tiny" and row["parameters"] == 3_279_104
+    assert row["ours_ms"] > 0 and row["transformers_ms"] > 0
+    imports = report["imports"]
+    assert imports["transformers"]["rss_mb"] > imports["torch"]["rss_mb"]
+    md = (tmp_path / "model.md").read_text()
+    assert "| tiny | 3,279,104 |" in md and "+ transformers" in md
+    assert tuple(BENCHMARKS) == tuple(run_all.BENCHMARKS)

@@ -170,7 +170,7 @@ def test_prepare_data(tmp_path):
     result = CliRunner().invoke(app, ["prepare-data", "builtin:shakespeare/comedies/*",
                                       "--out", str(out), "--max-bytes", "20000"])
     assert result.exit_code == 0, result.output
-    assert "20,000 bytes of text" in result.output
+    assert "20,000 bytes read" in result.output
     assert (out / "dataset.json").exists()
     again = CliRunner().invoke(app, ["prepare-data", "builtin:shakespeare", "--out", str(out)])
     assert again.exit_code == 2 and "error:" in again.output

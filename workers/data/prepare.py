@@ -364,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     m = info.manifest
     print(f"dataset    {info.url}")
-    print(f"files      {info.files} ({info.bytes_read:,} bytes of text)")
+    print(f"files      {info.files} ({info.bytes_read:,} bytes read)")
     print(f"tokens     train {info.train_tokens:,}  val {info.val_tokens:,}")
     print(f"tokenizer  {m.tokenizer.name} (vocabulary {m.tokenizer.vocab_size}, {m.dtype})")
     print(f"written    {info.bytes_written:,} bytes in {info.objects_written} objects")
