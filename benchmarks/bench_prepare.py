@@ -1,7 +1,7 @@
 """Preparation throughput: a 1 GB text corpus into a local-directory dataset.
 
     .venv/bin/python -m benchmarks.bench_prepare [--size-mb 1024] [--cases text-byte,text-bpe,
-        parquet-byte,parquet-bpe] [--workdir DIR] [--out prepare] [--results-dir DIR]
+        parquet-byte,parquet-bpe,bin-index] [--workdir DIR] [--out prepare] [--results-dir DIR]
 
 The corpus is generated here, into a temporary directory: the lines of
 ``builtin:shakespeare`` (38 plays, 5.3 MB), shuffled with a fixed seed and written
@@ -13,9 +13,11 @@ reported, not counted). Cases:
 - ``text-*``: `workers.data.prepare.prepare_data` of the text files into
   ``file://.../out-<case>``, the command users run.
 - ``parquet-*``: the same lines as rows of a Parquet ``text`` column (one file per
-  text file, a row group per 64k rows). Through ``prepare_data`` once it reads
-  tables (`workers.data.tables` wired in); until then `table_tokens` alone (reading
-  and tokenizing, nothing written), and the report says which.
+  text file, a row group per 64k rows), through ``prepare_data`` too.
+- ``bin-index``: the byte tokens of each text file as a nanoGPT ``.bin`` shard
+  (uint16, so twice the text's size), indexed in place by ``prepare_data``: one
+  streamed read of every shard (ids checked, a crc32c per block), nothing copied.
+  Its MB/s is of shard bytes.
 
 Each case runs in its own process (spawned), so its peak RSS (``ru_maxrss``) is its
 own; the RSS of the same process just before it starts preparing is reported beside
@@ -34,9 +36,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from benchmarks.report import (
     cli_logging,
@@ -48,7 +49,7 @@ from benchmarks.report import (
     stop_on_sigterm,
 )
 
-CASES = ("text-byte", "text-bpe", "parquet-byte", "parquet-bpe")
+CASES = ("text-byte", "text-bpe", "parquet-byte", "parquet-bpe", "bin-index")
 MB = 1_000_000
 
 
@@ -138,17 +139,6 @@ def train_bpe(texts: list[Path], path: Path, vocab: int, train_mb: float) -> flo
 # -- one case, in its own process --------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LocalTable:
-    """A local table file as `workers.data.tables` reads it."""
-
-    name: str
-    size: int
-
-    def open(self) -> IO[bytes]:
-        return open(self.name, "rb")
-
-
 class Progress:
     """prepare_data's callback, (name, done, total) in files or bytes: counted, and
     shown on stderr at most every 10 s."""
@@ -165,44 +155,36 @@ class Progress:
 
 
 def run_case(case: str, inputs: list[str], tokenizer: str, out_url: str) -> dict[str, Any]:
-    """Prepare (or, for tables not yet wired into prepare_data, tokenize) ``inputs``."""
+    """Prepare ``inputs`` into ``out_url`` with `prepare_data`, the command users run
+    (for ``bin-index``: index the token shards in place)."""
     from workers.data.prepare import prepare_data  # noqa: PLC0415
 
-    # prepare_data reads tables once its modules import workers.data.tables (part D)
-    wired = "workers.data.tables" in sys.modules
-    from workers.data.manifest import token_dtype  # noqa: PLC0415
-    from workers.data.tables import TableCounts, table_tokens  # noqa: PLC0415
-    from workers.tokenizer import load_tokenizer  # noqa: PLC0415
-
-    text_bytes = sum(Path(p).stat().st_size for p in inputs)
+    file_bytes = sum(Path(p).stat().st_size for p in inputs)
+    text_bytes = int(_text_bytes_of(inputs)) if case.startswith("parquet") else file_bytes
     baseline = current_rss_mb()
     progress = Progress(case)
     t0 = time.perf_counter()
-    if case.startswith("text") or wired:
-        info = prepare_data(inputs, out_url, tokenizer=tokenizer, progress=progress)
-        tokens, written, how = info.train_tokens + info.val_tokens, info.bytes_written, \
-            "prepare_data"
-        if case.startswith("parquet"):
-            text_bytes = int(_text_bytes_of(inputs))
-    else:
-        tok = load_tokenizer(tokenizer)
-        dtype = token_dtype(tok.vocab_size)
-        counts = TableCounts()
-        tokens = written = 0
-        for path in inputs:
-            src = LocalTable(path, Path(path).stat().st_size)
-            for ids, done in table_tokens(src, column="text", tokenizer=tok, dtype=dtype,
-                                          counts=counts):
-                tokens += len(ids)
-                progress(path, done, src.size)
-        text_bytes = int(_text_bytes_of(inputs))
-        how = "table_tokens alone (prepare_data does not read tables yet): nothing written"
+    info = prepare_data(inputs, out_url, tokenizer=tokenizer, progress=progress)
     seconds = time.perf_counter() - t0
-    return {"case": case, "how": how, "seconds": seconds, "text_bytes": text_bytes,
-            "file_bytes": sum(Path(p).stat().st_size for p in inputs), "tokens": tokens,
+    tokens = info.train_tokens + info.val_tokens
+    return {"case": case, "how": "prepare_data", "seconds": seconds, "text_bytes": text_bytes,
+            "file_bytes": file_bytes, "tokens": tokens,
             "mb_per_s": text_bytes / MB / seconds, "tokens_per_s": tokens / seconds,
-            "rss_before_mb": baseline, "peak_rss_mb": rss_mb(), "bytes_written": written,
-            "progress_calls": progress.calls}
+            "rss_before_mb": baseline, "peak_rss_mb": rss_mb(),
+            "bytes_written": info.bytes_written, "progress_calls": progress.calls}
+
+
+def to_bins(texts: list[Path], out: Path) -> list[Path]:
+    """The byte tokens of each text file as a nanoGPT ``.bin`` shard (uint16)."""
+    import numpy as np  # noqa: PLC0415
+
+    out.mkdir(parents=True, exist_ok=True)
+    bins = []
+    for path in texts:
+        target = out / f"{path.stem}.bin"
+        np.fromfile(path, dtype=np.uint8).astype(np.uint16).tofile(target)
+        bins.append(target)
+    return bins
 
 
 def _text_bytes_of(tables: list[str]) -> float:
@@ -316,12 +298,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             c.endswith("bpe") for c in cases) else None
         tables = to_parquet(texts, work / "parquet") if any(
             c.startswith("parquet") for c in cases) else []
+        bins = to_bins(texts, work / "bin") if "bin-index" in cases else []
         results = []
         for case in cases:
             kind, tok = case.split("-")
-            inputs = [str(p) for p in (texts if kind == "text" else tables)]
+            inputs = [str(p) for p in {"text": texts, "parquet": tables, "bin": bins}[kind]]
             out = (work / f"out-{case}").as_uri()
-            r = in_process(case, inputs, "byte" if tok == "byte" else str(bpe), out)
+            r = in_process(case, inputs, str(bpe) if tok == "bpe" else "byte", out)
             print(f"{case}: {r}", flush=True)
             results.append(r)
             shutil.rmtree(work / f"out-{case}", ignore_errors=True)
