@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from storage.objectstore import ObjectStore
-from workers.data.errors import ShardCorrupt, ShardInvalid
+from workers.data.errors import ShardCorrupt, ShardInvalid, ShardUnreadable
 from workers.data.lazy import LazyTokens
 from workers.data.prepare import prepare_data
 from workers.data.streams import TokenDataset, WorkerStream, open_dataset, val_batches
@@ -322,3 +322,45 @@ def test_a_shard_gone_after_indexing_is_named(tmp_path: Path) -> None:
     fsspec.filesystem("memory").rm(f"{root}/a.bin")
     with pytest.raises(ShardUnreadable, match=r"a\.bin, bytes 0\.\.\d+ \(block 0\) cannot be read"):
         ds.train_tokens[0:10]
+
+
+def test_a_store_outage_is_ridden_out_and_a_denied_read_is_not(tmp_path, monkeypatch):
+    """Remote block reads retry transient errors (a dropped connection, a 503) as
+    the exchange rides out an outage; an error no retry can fix fails at once."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from workers.data import lazy
+    from workers.data.streams import WorkerStream, open_dataset
+
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(32, 127)) * 40)
+    url = f"memory://outage-{uuid.uuid4().hex[:8]}"
+    prepare_data([str(text)], url)
+    expected = WorkerStream(open_dataset(url), 0, 1, seq_len=16, batch_size=4).batch(0)
+    flaky_ds, denied_ds = open_dataset(url), open_dataset(url)  # fresh caches
+    monkeypatch.setattr(lazy.time, "sleep", lambda _s: None)
+    calls = {"n": 0}
+    real = MemoryFileSystem.cat_file
+
+    def flaky(self, path, start=None, end=None, **kw):
+        calls["n"] += 1
+        if calls["n"] <= 3:
+            raise ConnectionResetError("connection reset by peer")
+        return real(self, path, start=start, end=end, **kw)
+
+    monkeypatch.setattr(MemoryFileSystem, "cat_ranges", lambda self, paths, starts, ends,
+                        on_error="return", **kw: [ConnectionResetError("reset")] * len(paths))
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", flaky)
+    got = WorkerStream(flaky_ds, 0, 1, seq_len=16, batch_size=4).batch(0)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert calls["n"] > 3
+
+    def denied(self, path, start=None, end=None, **kw):
+        calls["n"] += 1
+        raise PermissionError("Access Denied")
+
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", denied)
+    calls["n"] = 0
+    with pytest.raises(ShardUnreadable, match="PermissionError"):
+        WorkerStream(denied_ds, 0, 1, seq_len=16, batch_size=4).batch(0)
+    assert calls["n"] == 1  # one retry after the reset, none after the denial

@@ -53,6 +53,7 @@ def tiny_config(strategy: str = "diloco", steps: int = STEPS) -> dict[str, Any]:
         f"train.steps={steps}", "train.eval_every=20", "train.log_every=10",
         f"train.strategy={strategy}", "sync.sync_every=20", "sync.fragments=2",
         "sync.overlap=0", "data.batch_size=4", "data.seq_len=32",
+        "train.log_model=false",  # a fake run has no model in its store to log
     ])
     return cfg.model_dump(mode="json")
 
@@ -621,6 +622,10 @@ def test_micro_training_run_through_the_train_job(sqlite_tracking: str, tmp_path
     assert history(client, agg, "eval_loss")
     plots = {Path(f.path).name for f in client.list_artifacts(parent.info.run_id, "plots")}
     assert plots == set(RUN_PLOTS)
+    # the finished run's canonical model, as transformers loads it
+    model = {Path(f.path).name for f in client.list_artifacts(parent.info.run_id, "model")}
+    assert {"config.json", "model.safetensors"} <= model, model
+    assert "round 3/3" in client.get_run(parent.info.run_id).data.tags["diloco.model"]
     final = client.get_run(parent.info.run_id).data.metrics
     assert final["final_eval_loss"] == pytest.approx(report["global"]["eval_loss"])
 

@@ -185,7 +185,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     rescaling: long wavelengths / factor, short ones kept, a smooth blend between,
     the same formula as transformers' ``_compute_llama3_parameters``.
     """
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    # on the CPU explicitly: a model built under `with torch.device("meta")` (to count
+    # its parameters) still gets real tables
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
+    inv_freq = theta ** (-steps / head_dim)
     kind = "default" if scaling is None else _rope_type(scaling)
     if kind == "default":
         return inv_freq
@@ -226,7 +229,8 @@ class Rotary(nn.Module):
         self._build(min(max_seq_len, self.EAGER_LEN), torch.device("cpu"))
 
     def _build(self, length: int, device: torch.device) -> None:
-        angles = torch.outer(torch.arange(length, dtype=torch.float64), self.inv_freq)
+        angles = torch.outer(torch.arange(length, dtype=torch.float64, device="cpu"),
+                             self.inv_freq)
         self.cos = angles.cos().float().to(device)
         self.sin = angles.sin().float().to(device)
 

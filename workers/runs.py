@@ -24,7 +24,7 @@ from storage.objectstore import ObjectStore
 from workers.config import ConfigError, RunConfig, load_config
 from workers.data.errors import DatasetMissing
 from workers.data.prepare import prepare_data
-from workers.data.streams import TokenDataset, WorkerStream, open_dataset, val_batches
+from workers.data.streams import TokenDataset, WorkerStream, check_val, open_dataset
 from workers.hf_weights import load_hf_state_dict, read_safetensors
 from workers.locate import absolute, open_run
 from workers.model import Transformer, build_model, describe
@@ -73,14 +73,15 @@ def ensure_dataset(
 
 def _usable(dataset: TokenDataset, cfg: RunConfig) -> None:
     """Every data slot and the val split hold a sequence: checked before the run is
-    created, since the jobs would otherwise fail as they start."""
+    created, since the jobs would otherwise fail as they start. Sizes only: no
+    token is read."""
     seq, split = cfg.data.seq_len, cfg.data.split
     slots = (len(cfg.workers) if cfg.train.strategy == "data_parallel"
              else cfg.data.slot_count(len(cfg.workers)))
     try:
         for slot in range(slots):
             WorkerStream(dataset, slot, slots, split=split, seq_len=seq, batch_size=1)
-        val_batches(dataset, seq_len=seq, batch_size=1, num_batches=1)
+        check_val(dataset, seq)
     except ValueError as exc:
         raise ConfigError(f"data: {exc}") from None
 

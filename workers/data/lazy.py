@@ -13,6 +13,7 @@ bounded by the cache, whatever the size of the data. `LazyTokens` is one split
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import threading
 import time
@@ -24,13 +25,20 @@ import fsspec
 import google_crc32c
 import numpy as np
 
+from storage.retry import is_transient
 from workers.data.errors import ShardCorrupt, ShardUnreadable
 from workers.data.manifest import ShardEntry
 
+log = logging.getLogger(__name__)
+
 #: Default bytes of verified blocks a reader keeps.
 CACHE_BYTES = 64 << 20
-#: Reads of a block that failed (not a checksum: an error) are retried this often.
-RETRIES = 3
+#: A block read that fails with a transient error (5xx, throttling, a dropped
+#: connection) is retried for this long, as the exchange rides out a store outage
+#: (``sync.outage_s``'s default); a missing shard or a denied read fails at once.
+PATIENCE_S = 900.0
+#: The longest pause between two attempts.
+MAX_PAUSE_S = 5.0
 
 Key = tuple[int, int]  # (shard, block)
 
@@ -120,12 +128,19 @@ class ShardReader:
         return got
 
     def _retry(self, key: Key, data: bytes | Exception) -> bytes | Exception:
-        """A remote block whose ranged read failed, read again (transient errors)."""
+        """A remote block whose ranged read failed, read again while the error is
+        transient, for up to `PATIENCE_S` seconds."""
         fs, path = self._targets[key[0]]
-        for attempt in range(RETRIES):
-            if not isinstance(data, Exception) or isinstance(data, FileNotFoundError):
-                return data
-            time.sleep(0.2 * 2**attempt)
+        start, attempt = time.monotonic(), 0
+        while isinstance(data, Exception) and is_transient(data):
+            waited = time.monotonic() - start
+            if waited >= PATIENCE_S:
+                break
+            if attempt >= 2:
+                log.warning("token shard %s: read failed (%.0f s of at most %.0f s): %s",
+                            self._urls[key[0]], waited, PATIENCE_S, data)
+            time.sleep(min(MAX_PAUSE_S, 0.2 * 2**attempt))
+            attempt += 1
             a, b = self._block_span(key)
             try:
                 data = fs.cat_file(path, start=a, end=b)

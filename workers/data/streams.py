@@ -391,6 +391,17 @@ class WorkerStream:
         self.batch_index = index
 
 
+def check_val(dataset: TokenDataset, seq_len: int) -> None:
+    """ValueError unless the val split holds one sequence (nothing is read)."""
+    total = len(dataset.val_tokens)
+    if total < seq_len + 1:
+        raise ValueError(
+            f"the val split of {dataset.url} has {total} tokens, fewer than one sequence of "
+            f"seq_len + 1 = {seq_len + 1}; prepare with a larger val_fraction or use a "
+            "shorter seq_len"
+        )
+
+
 def val_batches(
     dataset: TokenDataset, *, seq_len: int, batch_size: int, num_batches: int
 ) -> list[Batch]:
@@ -402,13 +413,8 @@ def val_batches(
             f"seq_len, batch_size and num_batches must be >= 1, got {seq_len}, "
             f"{batch_size}, {num_batches}"
         )
+    check_val(dataset, seq_len)
     total = len(dataset.val_tokens)
-    if total < seq_len + 1:
-        raise ValueError(
-            f"the val split of {dataset.url} has {total} tokens, fewer than one sequence of "
-            f"seq_len + 1 = {seq_len + 1}; prepare with a larger val_fraction or use a "
-            "shorter seq_len"
-        )
     count = batch_size * num_batches
     starts = np.linspace(0, total - seq_len - 1, count).round().astype(np.int64)
     return [
