@@ -30,7 +30,7 @@ from diloco.run import latest_global, load_initial
 from diloco.schedule import Schedule
 from storage import layout
 from storage.checkpoints import committed_keys, read_checkpoint
-from storage.errors import ObjectMissing
+from storage.errors import ObjectMissing, PartialObject
 from storage.exchange import Exchange
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,11 @@ def frontier(exchange: Exchange, config: SyncConfig, *, poll_s: float = 0.1,
             try:
                 outer = [_state_at(exchange, config, p, r) for p, r in enumerate(need)]
             except _Moved as exc:
+                if stop() or time.monotonic() > deadline:
+                    raise TimeoutError(f"bootstrap: {exc}, still after {timeout_s:.0f} s"
+                                       ) from exc
                 log.info("bootstrap: %s; looking again", exc)
+                time.sleep(poll_s)
                 continue
             step = k * Schedule(config.sync_every, config.fragments, config.send_offset).stride
             step = min(step, exchange.manifest.total_steps)
@@ -131,7 +135,7 @@ def state_after(exchange: Exchange, config: SyncConfig, p: int, r: int) -> Outer
         k, key = max(checkpoints)
         try:
             arrays, _ = read_checkpoint(exchange.store, key)
-        except ObjectMissing as exc:
+        except (ObjectMissing, PartialObject) as exc:  # pruned before or while we read
             raise Unavailable(f"fragment {p}: checkpoint round {k} was pruned") from exc
         momentum = arrays.get("momentum")
         state = OuterState(torch.from_numpy(arrays["params"].copy()), config.eta, config.mu)

@@ -212,3 +212,24 @@ def test_the_finished_runs_model_is_an_mlflow_artifact(trained, tmp_path):
     torch.testing.assert_close(logits_hf(got, x), logits_ours(canon.model, x),
                                atol=1e-4, rtol=1e-4)
     assert f"round {total}/{total}" in client.get_run(parent).data.tags["diloco.model"]
+
+
+def test_a_checkpoint_pruned_while_read_is_looked_for_again(trained, monkeypatch):
+    """The aggregator may prune a canonical checkpoint while a healer reads it (a
+    part already gone): the frontier looks again instead of failing the worker."""
+    from diloco import bootstrap
+    from storage.errors import PartialObject
+
+    ex = open_exchange(str(trained))
+    cfg = canonical_model(ex).config
+    real, calls = bootstrap.read_checkpoint, {"n": 0}
+
+    def pruned_once(store, key):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise PartialObject(f"{key}: a part is missing")
+        return real(store, key)
+
+    monkeypatch.setattr(bootstrap, "read_checkpoint", pruned_once)
+    front = bootstrap.frontier(ex, cfg.sync, poll_s=0.01, timeout_s=30)
+    assert calls["n"] > 1 and front.rounds == [rounds_of(trained)] * 2
