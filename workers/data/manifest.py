@@ -58,10 +58,9 @@ class ArrayEntry(_Strict):
     record: dict[str, dict[str, Any]] = Field(description="objects written by write_array")
 
 
-class DatasetManifest(_Strict):
-    """The contents of ``dataset.json``."""
+class _Manifest(_Strict):
+    """What both formats of ``dataset.json`` record besides their token storage."""
 
-    format: Literal["diloco-flows/dataset/1"] = FORMAT
     created: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
     tokenizer: TokenizerEntry
     dtype: Literal["uint16", "uint32"]
@@ -69,10 +68,16 @@ class DatasetManifest(_Strict):
     sources: list[str] = Field(description="the sources as given to prepare_data")
     files: list[FileEntry]
     counts: Counts
-    arrays: dict[str, ArrayEntry]
 
     def to_json(self) -> bytes:
         return json.dumps(self.model_dump(), indent=2).encode()
+
+
+class DatasetManifest(_Manifest):
+    """The contents of ``dataset.json`` of format 1: zarr token arrays."""
+
+    format: Literal["diloco-flows/dataset/1"] = FORMAT
+    arrays: dict[str, ArrayEntry]
 
 
 class ShardEntry(_Strict):
@@ -89,23 +94,13 @@ class ShardEntry(_Strict):
     sha256: str | None = Field(default=None, description="of the whole object, when written")
 
 
-class ShardedManifest(_Strict):
+class ShardedManifest(_Manifest):
     """The contents of ``dataset.json`` of format 2: the dataset's token stream is
     its shards, concatenated; the files are consecutive ranges of that stream, each
     split into train (its first ``train_tokens``) and val (the rest)."""
 
     format: Literal["diloco-flows/dataset/2"] = FORMAT_SHARDS
-    created: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
-    tokenizer: TokenizerEntry
-    dtype: Literal["uint16", "uint32"]
-    val_fraction: float = Field(ge=0.0, lt=1.0)
-    sources: list[str] = Field(description="the sources as given to prepare_data")
-    files: list[FileEntry]
-    counts: Counts
     shards: list[ShardEntry]
-
-    def to_json(self) -> bytes:
-        return json.dumps(self.model_dump(), indent=2).encode()
 
 
 def manifest_fingerprint(manifest: dict[str, Any]) -> str:
