@@ -14,11 +14,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from diloco.strict import names_unknown_fields
-from storage.codecs import CODEC_NAMES, CodecSpec
+from storage.codecs import CODEC_NAMES, SPARSE_CODECS, CodecSpec
 
 Mode = Literal["diloco", "streaming", "eager"]
 EagerRule = Literal["adaptive", "pure"]
 Pattern = Literal["strided", "sequential"]
+OuterStep = Literal["nesterov", "average"]
+MeanFrom = Literal["aggregator", "peers"]
 
 # Outer optimizer defaults per mode (docs/algorithms.md sections 2 and 6). Blocking and
 # streaming use DiLoCo's 0.7 / 0.9. Stale updates and outer momentum do not mix
@@ -30,7 +32,11 @@ OUTER_DEFAULTS: dict[str, tuple[float, float]] = {
     "eager": (0.7, 0.5),
 }
 
-_LOW_BIT_CODECS = {"int4", "fp4-e3m0"}
+_LOW_BIT_CODECS = {"int4", "fp4-e3m0", *SPARSE_CODECS}
+#: SparseLoCo's decay of the error-feedback accumulator (arXiv 2508.15706)
+SPARSE_ERROR_DECAY = 0.95
+#: k of 4096 by default: Covenant-72B's 64 (1.56%)
+DEFAULT_SPARSE_K = 64
 
 
 class SyncConfig(BaseModel):
@@ -65,6 +71,34 @@ class SyncConfig(BaseModel):
     block_size: int = 128
     error_feedback: bool | None = Field(
         default=None, description="default: on for 4-bit codecs and below"
+    )
+    error_decay: float | None = Field(
+        default=None, description="beta: the error-feedback accumulator is multiplied by it "
+        "before the next outer gradient is added; default 0.95 for the sparse codecs "
+        "(SparseLoCo), 1 otherwise"
+    )
+    sparse_chunk: int = Field(
+        default=4096, description="C: values per chunk of the sparse codecs (top-k per chunk)"
+    )
+    sparse_k: int | None = Field(
+        default=None, description="k: values a chunk sends (default 64 per 4096, or from "
+        "sparse_density)"
+    )
+    sparse_density: float | None = Field(
+        default=None, description="k / C as a fraction, instead of sparse_k"
+    )
+    outer_step: OuterStep = Field(
+        default="nesterov", description="nesterov: SGD with Nesterov momentum; average: "
+        "theta -= outer_lr * mean, no momentum (SparseLoCo; outer_lr default 1)"
+    )
+    mean_from: MeanFrom = Field(
+        default="aggregator", description="aggregator: workers read the mean it publishes "
+        "(codec_down); peers: the aggregator commits only the weights and each worker "
+        "averages the contributions it names itself (no second rounding, M reads)"
+    )
+    split_tensors: bool = Field(
+        default=True, description="fragments may cut a tensor, so each holds 1/P of the "
+        "parameters to within one block"
     )
     quorum: float = Field(
         default=0.5,
@@ -189,27 +223,64 @@ class SyncConfig(BaseModel):
                 f"got {self.poll_interval_s}"
             )
         CodecSpec(self.codec_up, self.block_size)  # validates block_size
+        if self.error_decay is not None and not 0.0 < self.error_decay <= 1.0:
+            raise ValueError(f"error_decay must be in (0, 1], got {self.error_decay}")
+        if self.sparse_k is not None and self.sparse_density is not None:
+            raise ValueError("sparse_k and sparse_density: give one of them, not both")
+        if self.sparse_density is not None and not 0.0 < self.sparse_density <= 1.0:
+            raise ValueError(f"sparse_density must be in (0, 1], got {self.sparse_density}")
+        self.up  # validates sparse_chunk and sparse_k  # noqa: B018
+        if self.outer_step == "average" and self.outer_momentum not in (None, 0.0):
+            raise ValueError(
+                f"outer_momentum must be 0 or unset with outer_step 'average' (no momentum), "
+                f"got {self.outer_momentum}"
+            )
         return self
 
     @property
     def eta(self) -> float:
-        """The outer learning rate in force (explicit, or the mode's default)."""
-        return self.outer_lr if self.outer_lr is not None else OUTER_DEFAULTS[self.mode][0]
+        """The outer learning rate in force (explicit, or the mode's default; 1 for
+        the averaged step, which then sets theta to the mean of the replicas)."""
+        if self.outer_lr is not None:
+            return self.outer_lr
+        return 1.0 if self.outer_step == "average" else OUTER_DEFAULTS[self.mode][0]
 
     @property
     def mu(self) -> float:
-        """The outer momentum in force (explicit, or the mode's default)."""
+        """The outer momentum in force (explicit, or the mode's default; 0 for the
+        averaged step)."""
+        if self.outer_step == "average":
+            return 0.0
         if self.outer_momentum is not None:
             return self.outer_momentum
         return OUTER_DEFAULTS[self.mode][1]
 
     @property
+    def k(self) -> int:
+        """Values each chunk of a sparse codec sends (sparse_k, or from sparse_density)."""
+        if self.sparse_k is not None:
+            return self.sparse_k
+        if self.sparse_density is not None:
+            return max(1, min(self.sparse_chunk, round(self.sparse_density * self.sparse_chunk)))
+        return max(1, round(DEFAULT_SPARSE_K * self.sparse_chunk / 4096))
+
+    def _spec(self, name: str) -> CodecSpec:
+        return CodecSpec(name, self.block_size, self.sparse_chunk, self.k)
+
+    @property
     def up(self) -> CodecSpec:
-        return CodecSpec(self.codec_up, self.block_size)
+        return self._spec(self.codec_up)
 
     @property
     def down(self) -> CodecSpec:
-        return CodecSpec(self.codec_down, self.block_size)
+        return self._spec(self.codec_down)
+
+    @property
+    def beta(self) -> float:
+        """The error-feedback decay in force (explicit; 0.95 for sparse up, else 1)."""
+        if self.error_decay is not None:
+            return self.error_decay
+        return SPARSE_ERROR_DECAY if self.codec_up in SPARSE_CODECS else 1.0
 
     def feedback(self, codec: str) -> bool:
         """Whether error feedback is on for a payload sent with ``codec``."""

@@ -75,9 +75,13 @@ from storage.quantizers import (
     encode_chunk,
 )
 
-CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "int8", "int4", "fp4-e3m0")
+CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "int8", "int4", "fp4-e3m0", "topk2", "topk4")
 BLOCK_CODECS: tuple[str, ...] = ("int8", "int4", "fp4-e3m0")
+DENSE_CODECS: tuple[str, ...] = ("none", "fp16", "int8", "int4", "fp4-e3m0")
+#: top-k per chunk with 2- or 4-bit values (storage/sparse.py)
+SPARSE_CODECS: tuple[str, ...] = ("topk2", "topk4")
 MAX_BLOCK_SIZE = 2**20
+MAX_CHUNK = 2**16  # indices are at most 16 bits
 
 _CHUNK = 1 << 16  # elements per pass; 256 KiB of float32 stays in L2
 # |x| >= 65520 (midpoint of fp16 max 65504 and 2**16, a tie to even) rounds to inf
@@ -89,11 +93,15 @@ class CodecSpec:
     """Which codec and block size a fragment is sent with; stored in the manifest.
 
     ``block_size`` is B of docs/algorithms.md section 7: smaller blocks track local
-    magnitude better but spend 32 bits of scale per B values.
+    magnitude better but spend 32 bits of scale per B values. ``chunk`` and ``k``
+    belong to the sparse codecs only: each chunk of ``chunk`` consecutive values
+    sends its ``k`` largest magnitudes (the last, shorter chunk ``min(k, len)``).
     """
 
     name: str = "none"
     block_size: int = 128
+    chunk: int = 4096
+    k: int = 64
 
     def __post_init__(self) -> None:
         if self.name not in CODEC_NAMES:
@@ -111,25 +119,46 @@ class CodecSpec:
                 f"block_size: must be an even integer in [2, {MAX_BLOCK_SIZE}], got {b!r}"
             )
         object.__setattr__(self, "block_size", int(b))
+        c, k = self.chunk, self.k
+        for field, value in (("chunk", c), ("k", k)):
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                raise ValueError(f"{field}: must be an integer, got {value!r}")
+        if not 2 <= c <= MAX_CHUNK:
+            raise ValueError(f"chunk: must be in [2, {MAX_CHUNK}], got {c}")
+        if not 1 <= k <= c:
+            raise ValueError(f"k: must be in [1, chunk = {c}], got {k}")
+        object.__setattr__(self, "chunk", int(c))
+        object.__setattr__(self, "k", int(k))
 
     @property
     def is_block(self) -> bool:
         """True for the codecs that carry one scale per block."""
         return self.name in BLOCK_CODECS
 
+    @property
+    def is_sparse(self) -> bool:
+        """True for the top-k codecs (only ``k`` of every ``chunk`` values travel)."""
+        return self.name in SPARSE_CODECS
+
     def to_dict(self) -> dict[str, Any]:
-        """The manifest / zarr configuration form, ``{"codec": ..., "block_size": ...}``."""
+        """The manifest / zarr configuration form: ``{"codec", "block_size"}`` for the
+        dense codecs (unchanged since the first runs, so their metadata bytes are too),
+        ``{"codec", "chunk", "k"}`` for the sparse ones."""
+        if self.is_sparse:
+            return {"codec": self.name, "chunk": self.chunk, "k": self.k}
         return {"codec": self.name, "block_size": self.block_size}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CodecSpec:
         """Inverse of ``to_dict``; unknown keys are an error so typos do not pass."""
-        unknown = set(data) - {"codec", "block_size"}
+        unknown = set(data) - {"codec", "block_size", "chunk", "k"}
         if unknown:
             raise ValueError(
-                f"codec spec: unknown field(s) {sorted(unknown)}; allowed: codec, block_size"
+                f"codec spec: unknown field(s) {sorted(unknown)}; allowed: codec, "
+                "block_size, chunk, k"
             )
-        return cls(name=data.get("codec", "none"), block_size=data.get("block_size", 128))
+        return cls(name=data.get("codec", "none"), block_size=data.get("block_size", 128),
+                   chunk=data.get("chunk", 4096), k=data.get("k", 64))
 
 
 def encoded_nbytes(n: int, spec: CodecSpec) -> int:

@@ -11,7 +11,14 @@ import json
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from storage.codecs import CodecSpec
 from storage.errors import ManifestInvalid, RunExists
@@ -52,14 +59,28 @@ class CodecEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     block_size: int
+    chunk: int | None = None  # sparse codecs only (older manifests have neither)
+    k: int | None = None
 
     @model_validator(mode="after")
     def _valid(self) -> CodecEntry:
         self.spec()  # ValueError naming the codec and the allowed ones, at this field
         return self
 
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        """Dense entries serialise as before (no chunk/k), so their manifests do too."""
+        return {k: v for k, v in handler(self).items() if v is not None}
+
     def spec(self) -> CodecSpec:
-        return CodecSpec(self.name, self.block_size)
+        sparse = {} if self.chunk is None else {"chunk": self.chunk, "k": self.k}
+        return CodecSpec(self.name, self.block_size, **sparse)
+
+    @classmethod
+    def of(cls, spec: CodecSpec) -> CodecEntry:
+        """The manifest entry of ``spec`` (chunk and k only for the sparse codecs)."""
+        sparse = {"chunk": spec.chunk, "k": spec.k} if spec.is_sparse else {}
+        return cls(name=spec.name, block_size=spec.block_size, **sparse)
 
 
 class RunManifest(BaseModel):
