@@ -117,3 +117,44 @@ def test_meter_counts_from_the_traffic_counter_and_carries_a_previous_life() -> 
     assert f["requests_usd"] == pytest.approx(0.005 + 2 * 0.0004 / 1000)
     assert f["cost_usd"] == pytest.approx(f["egress_usd"] + f["requests_usd"])
     assert Meter(TrafficCounter()).figures()["cost_usd"] == 0.0  # nothing configured: $0
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("billing.store=ibm:us-south", "billing.store: provider 'ibm' is not known; allowed: aws, "
+                                   "gcp, azure, cloudflare, other"),
+    ("billing.regions={region-z: aws:us-east-1}", "billing.regions: unknown name(s) region-z; "
+                                                  "known: region-a, region-b, aggregator"),
+    ("billing.regions={region-a: aws}", "region-a: region 'aws': expected provider:region"),
+    ("billing.prices={aws: {egress: 0.1}}", "aws: unknown field(s) egress; allowed: "
+                                            "egress_internet_gb"),
+])
+def test_billing_config_errors_name_the_field(in_process, tmp_path, override, expected) -> None:
+    from cli.app import app
+    from workers.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert expected in str(err.value) and "\n" not in str(err.value)
+    result = in_process.invoke(app, ["run", "--set", override])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "error:" in lines[0], result.stderr
+    assert " ".join(expected.split()) in " ".join(result.stderr.split())
+    assert not (tmp_path / "runs").exists()
+
+
+def test_billing_config_resolves_regions_and_prices() -> None:
+    from workers.config import load_config
+
+    cfg = load_config(None, ["billing.store=s3:us-east-1",
+                             "billing.regions={region-b: gcs:europe-west4}",
+                             "billing.prices={gcp: {egress_internet_gb: 0.08}}"])
+    b = cfg.billing
+    assert b.region_of("region-a") == "s3:us-east-1"  # default: the store's region
+    assert b.region_of("region-b") == "gcs:europe-west4"
+    assert b.table()["gcp"].egress_internet_gb == 0.08
+    t = TrafficCounter()
+    t.record("put", "k", up=10**9)
+    assert b.meter(t, "region-b").figures()["egress_up_usd"] == pytest.approx(0.08)
+    assert b.meter(t, "region-a").figures()["egress_usd"] == 0.0
+    assert load_config(None).billing.region_of("aggregator") == "other:local"

@@ -28,7 +28,7 @@ from pydantic import (
 
 from diloco.config import SyncConfig
 from diloco.strict import names_unknown_fields
-from storage import layout
+from storage import billing, layout
 from storage.backends import open_backend, refuse_credentials, safe_url
 from workers.hf_config import from_hf_config
 from workers.model import PRESETS, ModelConfig
@@ -256,6 +256,65 @@ class RetentionConfig(_Strict):
         return v
 
 
+class BillingConfig(_Strict):
+    """Where the bucket and each party are, and the list prices that turn their
+    traffic into dollars (`storage.billing`). Nothing set: every party is where the
+    store is, no crossing, $0 of egress."""
+
+    store: str = Field(default=billing.LOCAL,
+                       description="provider:region of the bucket, e.g. aws:us-east-1")
+    regions: dict[str, str] = Field(
+        default_factory=dict,
+        description="provider:region of each party (a worker's name, or aggregator); "
+                    "default: the store's region",
+    )
+    prices: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="per provider, overrides of the default list prices "
+                    "(egress_internet_gb, egress_inter_region_gb, class_a_per_1k, "
+                    "class_b_per_1k)",
+    )
+
+    @field_validator("store")
+    @classmethod
+    def _store_region(cls, text: str) -> str:
+        billing.parse_region(text)
+        return text
+
+    @field_validator("regions")
+    @classmethod
+    def _party_regions(cls, regions: dict[str, str]) -> dict[str, str]:
+        for name, text in regions.items():
+            try:
+                billing.parse_region(text)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        return regions
+
+    @field_validator("prices")
+    @classmethod
+    def _valid_prices(cls, prices: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        try:
+            billing.price_table(prices)
+        except ValueError as exc:
+            raise ValueError(str(exc).removeprefix("prices.")) from None
+        return prices
+
+    def region_of(self, party: str) -> str:
+        """The region of ``party`` (a worker's name, ``aggregator``, ``train``)."""
+        return self.regions.get(party, self.store)
+
+    def table(self) -> dict[str, billing.Prices]:
+        """The price table: the defaults with this run's overrides."""
+        return billing.price_table(self.prices)
+
+    def meter(self, traffic: Any, party: str, before: dict[str, Any] | None = None
+              ) -> billing.Meter:
+        """A `billing.Meter` of ``party``'s traffic (cumulative from ``before``)."""
+        return billing.Meter(traffic, party=self.region_of(party), store=self.store,
+                             prices=self.table(), before=before)
+
+
 class RunConfig(_Strict):
     """Everything a run needs; stored whole in the run manifest."""
 
@@ -268,6 +327,7 @@ class RunConfig(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
+    billing: BillingConfig = Field(default_factory=BillingConfig)
     parent_run: str | None = Field(
         default=None,
         description="the run whose canonical model this run starts from (a continuation)",
@@ -289,6 +349,12 @@ class RunConfig(_Strict):
                 layout.check_name("worker", name)
             except ValueError as exc:
                 raise ValueError(f"workers: {exc}") from None
+        unknown = sorted(set(self.billing.regions) - {*self.workers, "aggregator"})
+        if unknown:
+            raise ValueError(
+                f"billing.regions: unknown name(s) {', '.join(unknown)}; known: "
+                f"{', '.join([*self.workers, 'aggregator'])}"
+            )
         if self.data.slots and self.data.slots < len(self.workers):
             raise ValueError(
                 f"data.slots = {self.data.slots} is below the {len(self.workers)} workers: "
