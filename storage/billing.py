@@ -23,7 +23,7 @@ standard storage class (`DEFAULT_PRICES`; each says when and where it was read).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -174,32 +174,39 @@ def bill(*, bytes_up: int, bytes_down: int, class_a: int, class_b: int, party: s
             "party": party, "store": store}
 
 
-#: the counts a party carries across its restarts (in its status record)
-COUNT_KEYS: tuple[str, ...] = ("bytes_up", "bytes_down", "requests_a", "requests_b")
+#: the counts a party carries across its restarts (in its status record): every body
+#: byte and request of the party, its exchange, checkpoints and status writes alike
+#: (``bytes_up``/``bytes_down`` in a status count the exchange only)
+COUNT_KEYS: tuple[str, ...] = ("billed_bytes_up", "billed_bytes_down", "requests_a",
+                               "requests_b")
 
 
 class Meter:
     """One party's cumulative counts and their cost, across its restarts.
 
-    A restarted process starts a new `TrafficCounter`; ``before`` (the counts its
-    previous life recorded, e.g. its last status) is added so the bill of a resumed
-    run is the whole run's. ``skip`` names traffic categories (key prefixes) the
-    party's counter holds but that are not its own exchange traffic."""
+    ``traffic``: the counters of every store client of the party (its exchange, its
+    checkpoints, its status board), all billed alike. A restarted process starts new
+    counters; ``before`` (the counts its previous life recorded, e.g. its last
+    status) is added so the bill of a resumed run is the whole run's."""
 
-    def __init__(self, traffic: TrafficCounter, *, party: str = LOCAL, store: str = LOCAL,
+    def __init__(self, traffic: TrafficCounter | Sequence[TrafficCounter], *,
+                 party: str = LOCAL, store: str = LOCAL,
                  prices: Mapping[str, Prices] | None = None,
                  before: Mapping[str, Any] | None = None) -> None:
-        self.traffic = traffic
+        self.counters = [traffic] if isinstance(traffic, TrafficCounter) else list(traffic)
         self.party, self.store = party, store
         self.prices = dict(prices or DEFAULT_PRICES)
         self.before = {k: int((before or {}).get(k) or 0) for k in COUNT_KEYS}
 
     def counts(self) -> dict[str, int]:
-        """Cumulative bytes up/down and class A/B requests."""
-        snap = self.traffic.snapshot()
-        a, b = request_classes(snap["by_op"])
-        now = {"bytes_up": snap["bytes_up"], "bytes_down": snap["bytes_down"],
-               "requests_a": a, "requests_b": b}
+        """Cumulative billed bytes up/down and class A/B requests."""
+        now = dict.fromkeys(COUNT_KEYS, 0)
+        for counter in self.counters:
+            snap = counter.snapshot()
+            a, b = request_classes(snap["by_op"])
+            for key, n in zip(COUNT_KEYS, (snap["bytes_up"], snap["bytes_down"], a, b),
+                              strict=True):
+                now[key] += n
         return {k: self.before[k] + now[k] for k in COUNT_KEYS}
 
     def figures(self) -> dict[str, Any]:
@@ -207,9 +214,9 @@ class Meter:
         ``egress_down_usd``, ``requests_usd`` and the ``crossing``: what a status
         record and the tracking metrics carry."""
         c = self.counts()
-        b = bill(bytes_up=c["bytes_up"], bytes_down=c["bytes_down"], class_a=c["requests_a"],
-                 class_b=c["requests_b"], party=self.party, store=self.store,
-                 prices=self.prices)
+        b = bill(bytes_up=c["billed_bytes_up"], bytes_down=c["billed_bytes_down"],
+                 class_a=c["requests_a"], class_b=c["requests_b"], party=self.party,
+                 store=self.store, prices=self.prices)
         return {**c, "cost_usd": b["total_usd"], "egress_usd": b["egress_usd"],
                 "egress_up_usd": b["egress_up_usd"], "egress_down_usd": b["egress_down_usd"],
                 "requests_usd": b["requests_usd"], "crossing": b["crossing"]}

@@ -106,9 +106,11 @@ def test_meter_counts_from_the_traffic_counter_and_carries_a_previous_life() -> 
     t.record("put", "a/b", up=2 * 10**9)
     t.record("get", "a/b", down=10**9)
     t.record("delete", "a/b")
-    before = {"bytes_up": 10**9, "bytes_down": 0, "requests_a": 999, "requests_b": 1}
-    m = Meter(t, party="gcp:europe-west4", store="aws:us-east-1", before=before)
-    assert m.counts() == {"bytes_up": 3 * 10**9, "bytes_down": 10**9,
+    status = TrafficCounter()  # another client of the same party: billed too
+    status.record("put", "members/w/status.json", up=10**9)
+    before = {"billed_bytes_up": 0, "billed_bytes_down": 0, "requests_a": 998, "requests_b": 1}
+    m = Meter([t, status], party="gcp:europe-west4", store="aws:us-east-1", before=before)
+    assert m.counts() == {"billed_bytes_up": 3 * 10**9, "billed_bytes_down": 10**9,
                           "requests_a": 1000, "requests_b": 2}
     f = m.figures()
     assert f["crossing"] == "internet"
