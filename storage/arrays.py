@@ -39,9 +39,16 @@ MAX_CHUNK = 1 << 26
 
 
 def _chunks(shape: tuple[int, ...], spec: CodecSpec | None) -> tuple[int, ...]:
+    """One zarr chunk up to MAX_CHUNK values; above, chunks of whole codec blocks
+    (whole sparse chunks for topk*), so the block grid is the one-chunk grid. zarr pads
+    the last chunk with zeros, which changes nothing for the dense codecs; a sparse
+    last chunk shorter than C then keeps k entries (zeros too) instead of min(k, L)."""
     if len(shape) != 1 or shape[0] <= MAX_CHUNK:
         return tuple(max(1, d) for d in shape) if shape else ()
-    b = spec.block_size if spec is not None else 1
+    if spec is None:
+        b = 1
+    else:
+        b = spec.chunk if spec.is_sparse else spec.block_size
     return (b * math.ceil(MAX_CHUNK / b),)
 
 

@@ -12,6 +12,12 @@ Codecs (``CodecSpec.name``):
 ``int4``      blockwise absmax, qmax 7, two's complement nibbles.
 ``fp4-e3m0``  blockwise absmax, sign bit and 3-bit index into
               ``{0, 2^-6, 2^-5, 2^-4, 2^-3, 2^-2, 2^-1, 2^0}``.
+``topk2``     sparse: per chunk of C values the k largest |x|, each a 12-bit
+``topk4``     index (C = 4096) and a 2- or 4-bit code on that chunk's [lo, hi].
+              Pinned in storage/sparse.py's docstring, which ``encode``,
+              ``decode``, ``roundtrip`` and ``encoded_nbytes`` dispatch to; its
+              ``accumulate`` and ``kept`` (re-exported here) read a payload
+              without a dense decode. Everything below is about the dense codecs.
 
 Block codecs cut the flattened input into blocks of ``B = block_size``
 consecutive elements; the last block is padded with zeros that are never stored.
@@ -64,6 +70,7 @@ from typing import Any
 
 import numpy as np
 
+from storage import sparse
 from storage.errors import CorruptObject, NonFiniteValues
 from storage.quantizers import (
     ABS_MASK,
@@ -74,6 +81,12 @@ from storage.quantizers import (
     decode_chunk,
     encode_chunk,
 )
+from storage.sparse import accumulate, kept
+
+__all__ = [
+    "CODEC_NAMES", "DENSE_CODECS", "SPARSE_CODECS", "CodecSpec", "accumulate", "decode",
+    "encode", "encoded_nbytes", "kept", "roundtrip", "stable_seed",
+]
 
 CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "int8", "int4", "fp4-e3m0", "topk2", "topk4")
 BLOCK_CODECS: tuple[str, ...] = ("int8", "int4", "fp4-e3m0")
@@ -165,6 +178,8 @@ def encoded_nbytes(n: int, spec: CodecSpec) -> int:
     """Exact payload size for n values, so readers can check a length before decoding."""
     if n < 0:
         raise ValueError(f"n: must be >= 0, got {n}")
+    if spec.is_sparse:
+        return sparse.encoded_nbytes(n, spec)
     if spec.name == "none":
         return 4 * n
     if spec.name == "fp16":
@@ -303,6 +318,10 @@ def _encode(x: np.ndarray, spec: CodecSpec, seed: int | None, decoded: np.ndarra
     """Encode x; also write decode(payload) into ``decoded`` when it is given."""
     if seed is not None and spec.name not in QMAX:
         raise ValueError(f"seed: stochastic rounding applies to int8/int4, not {spec.name}")
+    if spec.is_sparse:
+        if decoded is None:
+            return sparse.encode(x, spec)
+        return sparse.roundtrip(x, spec, out=decoded)[0]
     if spec.name == "none":
         if _absmax_bits(x) >= FINITE_LIMIT:
             raise NonFiniteValues("encode: input contains NaN or Inf; refusing to send it")
@@ -343,6 +362,8 @@ def decode(
     [-qmax, qmax], or the unused pad nibble is not 0; NonFiniteValues if a
     none/fp16 payload holds NaN or Inf. A corrupt payload never turns into zeros.
     """
+    if spec.is_sparse:
+        return sparse.decode(payload, n, spec, out=out)
     buf = np.frombuffer(payload, np.uint8)
     expected = encoded_nbytes(n, spec)
     if buf.size != expected:

@@ -1,4 +1,5 @@
-"""The blockwise codecs as a zarr v3 codec, so fragments are ordinary zarr arrays.
+"""The outer-gradient codecs (dense and sparse) as a zarr v3 codec, so fragments
+are ordinary zarr arrays.
 
 ``BlockQuantCodec`` wraps `storage.codecs.encode`/`decode` as the zarr v3
 array-to-bytes codec ``diloco.blockquant`` (registered with zarr when this module
@@ -35,22 +36,30 @@ class BlockQuantCodec(ArrayBytesCodec):
     flattened in C order, stored as ``encode(chunk, spec)``.
 
     The array dtype stays float32 for every codec, so readers never care how a
-    fragment travelled; the configuration ``{"codec", "block_size"}`` in the
-    array metadata says how to decode it.
+    fragment travelled; the configuration in the array metadata (``CodecSpec.to_dict``:
+    ``{"codec", "block_size"}`` dense, ``{"codec", "chunk", "k"}`` sparse) says how
+    to decode it. A sparse zarr chunk decodes to zeros where nothing was kept.
     """
 
     is_fixed_size = True
 
     spec: CodecSpec
 
-    def __init__(self, *, codec: str = "int8", block_size: int = 128) -> None:
-        object.__setattr__(self, "spec", CodecSpec(name=codec, block_size=block_size))
+    def __init__(
+        self, *, codec: str = "int8", block_size: int = 128, chunk: int = 4096, k: int = 64
+    ) -> None:
+        spec = CodecSpec(name=codec, block_size=block_size, chunk=chunk, k=k)
+        object.__setattr__(self, "spec", spec)
+
+    @classmethod
+    def of(cls, spec: CodecSpec) -> BlockQuantCodec:
+        """The codec that stores chunks as ``encode(chunk, spec)``."""
+        return cls(codec=spec.name, block_size=spec.block_size, chunk=spec.chunk, k=spec.k)
 
     @classmethod
     def from_dict(cls, data: dict[str, JSON]) -> Self:
         _, config = parse_named_configuration(data, ZARR_CODEC_NAME, require_configuration=False)
-        spec = CodecSpec.from_dict(dict(config or {}))
-        return cls(codec=spec.name, block_size=spec.block_size)
+        return cls.of(CodecSpec.from_dict(dict(config or {})))
 
     def to_dict(self) -> dict[str, JSON]:
         return {"name": ZARR_CODEC_NAME, "configuration": self.spec.to_dict()}
@@ -89,6 +98,6 @@ def zarr_array_codecs(spec: CodecSpec) -> dict[str, Any]:
     fails the read (zarr raises ValueError) instead of decoding to wrong numbers.
     """
     return {
-        "serializer": BlockQuantCodec(codec=spec.name, block_size=spec.block_size),
+        "serializer": BlockQuantCodec.of(spec),
         "compressors": [zarr.codecs.Crc32cCodec()],
     }
