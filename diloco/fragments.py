@@ -7,6 +7,13 @@ named) are assigned to fragments ``strided`` (block i goes to fragment i % P) or
 fragment 0, or form a fragment of their own (counted in P) with ``separate_rest``.
 Explicit lists of parameter names are accepted too.
 
+With ``split`` the fragments hold equal shares instead: the parameters, in the order
+the whole-tensor plan gives them (fragment 0's, then fragment 1's, ...), form one
+virtual vector of N values, cut at ``c_i = floor(i * N / P / B) * B`` (B the block
+size), so every fragment holds N / P values to within one block and a tensor may
+end in one fragment and go on in the next. A piece of a tensor is a ``ParamSpec``
+with a ``[start, stop)`` range of the flattened parameter.
+
 The plan's ``describe()`` output is what the run manifest stores, so a worker whose
 model does not match the run fails with a message naming the parameter.
 """
@@ -22,15 +29,41 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ParamSpec:
+    """A parameter, or the ``[start, stop)`` piece of it (flattened) a fragment holds."""
+
     name: str
     shape: tuple[int, ...]
+    start: int = 0
+    stop: int | None = None  # None: to the end
 
     @property
-    def numel(self) -> int:
+    def size(self) -> int:
+        """Values in the whole parameter."""
         n = 1
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def end(self) -> int:
+        return self.size if self.stop is None else self.stop
+
+    @property
+    def numel(self) -> int:
+        """Values in this piece (the whole parameter unless sliced)."""
+        return self.end - self.start
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.end == self.size
+
+    def describe(self) -> dict:
+        """Manifest entry; ``slice`` only for a partial piece, so whole-tensor plans
+        describe exactly as they did before tensors could be split."""
+        out: dict = {"name": self.name, "shape": list(self.shape)}
+        if not self.whole:
+            out["slice"] = [self.start, self.end]
+        return out
 
 
 @dataclass(frozen=True)
@@ -67,7 +100,7 @@ class FragmentPlan:
             {
                 "index": f.index,
                 "numel": f.numel,
-                "params": [{"name": p.name, "shape": list(p.shape)} for p in f.params],
+                "params": [p.describe() for p in f.params],
             }
             for f in self.fragments
         ]
@@ -80,26 +113,30 @@ class FragmentPlan:
                 f"the model has {len(mine)} fragments but the run has {len(described)}"
             )
         for a, b in zip(mine, described, strict=True):
-            pa = [(p["name"], list(p["shape"])) for p in a["params"]]
-            pb = [(p["name"], list(p["shape"])) for p in b["params"]]
-            if pa != pb:
-                for x, y in zip(pa, pb, strict=False):
-                    if x != y:
-                        raise ValueError(
-                            f"fragment {a['index']}: the model has parameter {x[0]} {x[1]} "
-                            f"where the run has {y[0]} {y[1]}"
-                        )
-                if len(pa) > len(pb):
-                    x = pa[len(pb)]
+            pa = [_label(p) for p in a["params"]]
+            pb = [_label(p) for p in b["params"]]
+            if pa == pb:
+                continue
+            for x, y in zip(pa, pb, strict=False):
+                if x != y:
                     raise ValueError(
-                        f"fragment {a['index']}: the model has parameter {x[0]} {x[1]} "
-                        f"that the run lacks"
+                        f"fragment {a['index']}: the model has parameter {x} where the run "
+                        f"has {y}"
                     )
-                y = pb[len(pa)]
+            if len(pa) > len(pb):
                 raise ValueError(
-                    f"fragment {a['index']}: the run has parameter {y[0]} {y[1]} "
-                    f"that the model lacks"
+                    f"fragment {a['index']}: the model has parameter {pa[len(pb)]} that "
+                    f"the run lacks"
                 )
+            raise ValueError(
+                f"fragment {a['index']}: the run has parameter {pb[len(pa)]} that the "
+                f"model lacks"
+            )
+
+    def param_names(self) -> list[str]:
+        """Every parameter the plan covers, once, in plan order (a parameter split over
+        two fragments appears once): what an island broadcasts after a full sync."""
+        return list(dict.fromkeys(p.name for f in self.fragments for p in f.params))
 
     def gather(self, model: nn.Module, index: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Fragment ``index`` of ``model`` as a flat float32 CPU vector."""
@@ -111,7 +148,7 @@ class FragmentPlan:
         with torch.no_grad():
             for spec in frag.params:
                 n = spec.numel
-                out[offset : offset + n].copy_(named[spec.name].detach().reshape(-1))
+                out[offset : offset + n].copy_(_flat(named[spec.name], spec))
                 offset += n
         return out
 
@@ -124,8 +161,35 @@ class FragmentPlan:
             for spec in frag.params:
                 n = spec.numel
                 p = named[spec.name]
-                p.copy_(flat[offset : offset + n].view(spec.shape))
+                if spec.whole:
+                    p.copy_(flat[offset : offset + n].view(spec.shape))
+                else:
+                    _flat(p, spec).copy_(flat[offset : offset + n])
                 offset += n
+
+
+def _label(p: dict) -> str:
+    """``name [shape]``, plus ``[start:stop]`` for a piece: how errors name a parameter."""
+    out = f"{p['name']} {list(p['shape'])}"
+    if p.get("slice") is not None:
+        out += f" [{p['slice'][0]}:{p['slice'][1]}]"
+    return out
+
+
+def _flat(param: torch.Tensor, spec: ParamSpec) -> torch.Tensor:
+    """The values of ``spec`` in ``param`` as a 1-D view (writes reach the parameter).
+
+    A piece of a non-contiguous parameter would be a copy, and scatter would write
+    into the copy and lose the update, so it is refused.
+    """
+    if spec.whole:
+        return param.detach().reshape(-1)
+    if not param.is_contiguous():
+        raise ValueError(
+            f"parameter {spec.name} is not contiguous, so fragments cannot hold a piece of "
+            f"it: make it contiguous or set sync.split_tensors: false"
+        )
+    return param.detach().view(-1)[spec.start : spec.end]
 
 
 def find_blocks(model: nn.Module, attr: str | None = None) -> tuple[str, nn.ModuleList] | None:
@@ -149,8 +213,13 @@ def plan_fragments(
     separate_rest: bool = False,
     blocks_attr: str | None = None,
     explicit: Sequence[Sequence[str]] | None = None,
+    split: bool = False,
+    block_size: int = 128,
 ) -> FragmentPlan:
-    """Split ``model`` into ``num_fragments`` fragments (see the module docstring)."""
+    """Split ``model`` into ``num_fragments`` fragments (see the module docstring).
+
+    ``split`` cuts the whole-tensor plan's order into equal shares (whole blocks of
+    ``block_size`` values); explicit plans and P = 1 are never split."""
     named = dict(model.named_parameters())
     order = {name: i for i, name in enumerate(named)}
 
@@ -226,4 +295,44 @@ def plan_fragments(
             raise ValueError(f"fragment {i} would be empty")
         names = sorted(names, key=order.__getitem__)
         frags.append(Fragment(i, tuple(spec(n) for n in names)))
+    if split and num_fragments > 1:
+        return FragmentPlan(split_evenly(frags, block_size))
     return FragmentPlan(frags)
+
+
+def split_evenly(frags: Sequence[Fragment], block: int) -> list[Fragment]:
+    """Re-cut ``frags`` (their parameters in order, as one vector of N values) at
+    ``c_i = floor(i * N / P / block) * block``: P fragments of N / P values to within
+    one block, a parameter cut where a boundary falls inside it."""
+    if block < 1:
+        raise ValueError(f"block_size must be >= 1, got {block}")
+    order = [p for f in frags for p in f.params]
+    total = sum(p.numel for p in order)
+    n_frags = len(frags)
+    cuts = [i * total // (n_frags * block) * block for i in range(n_frags)] + [total]
+    out: list[Fragment] = []
+    for i in range(n_frags):
+        lo, hi = cuts[i], cuts[i + 1]
+        if hi <= lo:
+            raise ValueError(
+                f"fragment {i} would be empty: {total} parameters do not fill fragments "
+                f"(P) = {n_frags} blocks of {block}"
+            )
+        out.append(Fragment(i, tuple(_pieces(order, lo, hi))))
+    return out
+
+
+def _pieces(order: Sequence[ParamSpec], lo: int, hi: int) -> list[ParamSpec]:
+    """The parts of ``order`` (whole parameters laid end to end) in ``[lo, hi)``."""
+    pieces = []
+    offset = 0
+    for p in order:
+        a, b = max(lo, offset), min(hi, offset + p.size)
+        if a < b:
+            start, stop = a - offset, b - offset
+            whole = start == 0 and stop == p.size
+            pieces.append(p if whole else ParamSpec(p.name, p.shape, start, stop))
+        offset += p.size
+        if offset >= hi:
+            break
+    return pieces

@@ -31,7 +31,10 @@ def _store(url_or_store: str | ObjectStore, storage_options: dict | None) -> Obj
 
 
 def plan_for(model: nn.Module, config: SyncConfig, **kwargs: Any) -> FragmentPlan:
-    """The fragment plan the config asks for (pattern, P, separate rest)."""
+    """The fragment plan the config asks for (pattern, P, separate rest, and whether
+    tensors may be split so each fragment holds 1/P of the parameters)."""
+    kwargs.setdefault("split", config.split_tensors)
+    kwargs.setdefault("block_size", config.block_size)
     return plan_fragments(
         model,
         config.fragments,

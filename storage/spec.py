@@ -29,9 +29,41 @@ FORMAT = "diloco-flows/run/1"
 
 
 class ParamEntry(BaseModel):
+    """A parameter of a fragment, or with ``slice`` the ``[start, stop)`` piece of it
+    (flattened) that the fragment holds when tensors are split."""
+
     model_config = ConfigDict(extra="forbid")
     name: str
     shape: list[int]
+    slice: list[int] | None = None  # whole-tensor entries have none, as before
+
+    @model_validator(mode="after")
+    def _slice(self) -> ParamEntry:
+        if self.slice is not None:
+            ok = len(self.slice) == 2 and 0 <= self.slice[0] < self.slice[1] <= self.size
+            if not ok:
+                raise ValueError(
+                    f"parameter {self.name}: slice {self.slice} must be [start, stop) with "
+                    f"0 <= start < stop <= {self.size}"
+                )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        """Whole-tensor entries serialise as before (no slice)."""
+        return {k: v for k, v in handler(self).items() if k != "slice" or v is not None}
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def numel(self) -> int:
+        """Values of this entry in the fragment (the slice's length, if any)."""
+        return self.size if self.slice is None else self.slice[1] - self.slice[0]
 
 
 class FragmentEntry(BaseModel):
@@ -42,12 +74,7 @@ class FragmentEntry(BaseModel):
 
     @model_validator(mode="after")
     def _sizes(self) -> FragmentEntry:
-        total = 0
-        for p in self.params:
-            n = 1
-            for d in p.shape:
-                n *= d
-            total += n
+        total = sum(p.numel for p in self.params)
         if total != self.numel:
             raise ValueError(
                 f"fragment {self.index}: numel {self.numel} != sum of parameter sizes {total}"
@@ -123,6 +150,26 @@ class RunManifest(BaseModel):
         return json.dumps(self.model_dump(), indent=2, sort_keys=True).encode()
 
 
+def _upgrade(data: Any) -> Any:
+    """Read a manifest written before fragments could split tensors as what it was.
+
+    Those manifests have no ``split_tensors`` in ``sync`` (nor in the user config's
+    ``sync``), and the default is now to split, so a worker resuming such a run would
+    plan other fragments than the run has; they get ``split_tensors: false``. The
+    keys are set only where absent: a new manifest always carries them.
+    """
+    if not isinstance(data, dict):
+        return data
+    data = {**data, "sync": data.get("sync", {})}
+    if isinstance(data.get("config"), dict):
+        data["config"] = dict(data["config"])
+    for holder in (data, data.get("config")):
+        sync = holder.get("sync") if isinstance(holder, dict) else None
+        if isinstance(sync, dict) and "split_tensors" not in sync:
+            holder["sync"] = {**sync, "split_tensors": False}
+    return data
+
+
 def create_run(store: ObjectStore, manifest: RunManifest) -> None:
     """Write the manifest with a create-only write; refuse an existing run."""
     if not store.put_if_absent(MANIFEST, manifest.to_json()):
@@ -144,6 +191,6 @@ def open_run(store: ObjectStore) -> RunManifest:
     except ValueError as exc:
         raise ManifestInvalid(f"the run manifest {url} is not valid JSON: {exc}") from exc
     try:
-        return RunManifest.model_validate(data)
+        return RunManifest.model_validate(_upgrade(data))
     except ValidationError as exc:
         raise ManifestInvalid(f"the run manifest {url} does not validate:\n{exc}") from exc

@@ -85,7 +85,7 @@ def make_manifest(codec_up: str = "int4", codec_down: str = "int8", n0: int = N0
         codec_up=CodecEntry(name=codec_up, block_size=B),
         codec_down=CodecEntry(name=codec_down, block_size=B),
         fragments=fragment_entries(n0),
-        sync={"sync_every": 10},
+        sync={"sync_every": 10, "split_tensors": True},  # as every new manifest has it
         config={"model": "tiny"},
     )
 

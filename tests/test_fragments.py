@@ -351,3 +351,109 @@ def test_model_that_is_itself_a_module_list():
     # strided: blocks 0 and 2 in fragment 0, 1 and 3 in fragment 1
     assert plan[0].names == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert plan[1].names == ["1.weight", "1.bias", "3.weight", "3.bias"]
+
+
+# -- split tensors: every fragment 1/P of the parameters to within one block ---------------------
+# P = 3, block 4 on the toy model: the whole-tensor order is fragment 0's parameters
+# (embed 20, block 0 10, block 3 10, final norm 4), then fragment 1's (blocks 1, 4),
+# then fragment 2's (blocks 2, 5); N = 84, cuts at floor(i * 84 / 3 / 4) * 4 = 28, 56.
+
+
+def pieces(frag) -> list[tuple[str, int, int]]:
+    return [(p.name, p.start, p.end) for p in frag.params]
+
+
+def test_split_cuts_the_whole_tensor_order_into_equal_shares():
+    plan = plan_fragments(model(), 3, split=True, block_size=4)
+    assert [f.numel for f in plan.fragments] == [28, 28, 28]
+    assert pieces(plan[0]) == [("embed.weight", 0, 20), ("blocks.0.lin.weight", 0, 4),
+                               ("blocks.0.lin.bias", 0, 2), ("blocks.0.norm.weight", 0, 2)]
+    # fragment 1 begins with block 0's last tensor and ends inside block 4's weight
+    assert pieces(plan[1])[0] == ("blocks.0.norm.bias", 0, 2)
+    assert pieces(plan[1])[-1] == ("blocks.4.lin.weight", 0, 2)
+    assert pieces(plan[2])[0] == ("blocks.4.lin.weight", 2, 4)
+    assert plan[2].names[-1] == "blocks.5.norm.bias"
+
+
+@pytest.mark.parametrize("pattern", ["strided", "sequential"])
+@pytest.mark.parametrize("separate_rest", [False, True])
+@pytest.mark.parametrize("block", [1, 2, 4, 8])
+def test_split_fragments_hold_n_over_p_within_one_block_and_cover_each_value_once(
+        pattern, separate_rest, block):
+    m = model()
+    for p in range(2 if separate_rest else 1, 7 if separate_rest else 6):
+        if p * block > 84:
+            continue
+        whole = plan_fragments(m, p, pattern=pattern, separate_rest=separate_rest)
+        plan = plan_fragments(m, p, pattern=pattern, separate_rest=separate_rest,
+                              split=True, block_size=block)
+        sizes = [f.numel for f in plan.fragments]
+        assert sum(sizes) == 84
+        assert all(abs(n - 84 / p) < block for n in sizes), (p, block, sizes)
+        # the split plan's vectors, end to end, are the whole-tensor plan's
+        flat = torch.cat([plan.gather(m, i) for i in range(p)])
+        assert torch.equal(flat, torch.cat([whole.gather(m, i) for i in range(p)]))
+
+
+def test_split_scatter_writes_each_piece_where_it_belongs():
+    m = model()
+    plan = plan_fragments(m, 3, split=True, block_size=4)
+    before = snapshot(m)
+    plan.scatter(m, 2, torch.arange(28.0))
+    # blocks.4.lin.weight holds values 2..3 of its flattened 2 x 2 in fragment 2
+    w = m.blocks[4].lin.weight.detach()
+    assert torch.equal(w.reshape(-1)[:2], before["blocks.4.lin.weight"].reshape(-1)[:2])
+    assert torch.equal(w.reshape(-1)[2:], torch.tensor([0.0, 1.0]))
+    assert torch.equal(m.blocks[4].lin.bias.detach(), torch.tensor([2.0, 3.0]))
+    assert torch.equal(plan.gather(m, 2), torch.arange(28.0))
+    assert torch.equal(m.blocks[1].lin.weight, before["blocks.1.lin.weight"])  # fragment 1
+
+
+def test_split_refuses_a_non_contiguous_parameter_instead_of_writing_a_copy():
+    m = model()
+    m.blocks[4].lin.weight = nn.Parameter(torch.randn(2, 2).t())  # a transposed view
+    plan = plan_fragments(m, 3, split=True, block_size=4)
+    with pytest.raises(ValueError, match="blocks.4.lin.weight is not contiguous"):
+        plan.scatter(m, 2, torch.zeros(28))
+
+
+def test_split_never_applies_to_explicit_plans_or_one_fragment():
+    m = model()
+    explicit = [REST + block_names(0), [n for i in range(1, 6) for n in block_names(i)]]
+    assert plan_fragments(m, 2, explicit=explicit, split=True).describe() == plan_fragments(
+        m, 2, explicit=explicit).describe()
+    assert plan_fragments(m, 1, split=True, block_size=4).describe() == plan_fragments(
+        m, 1).describe()
+
+
+def test_split_refuses_fragments_smaller_than_a_block():
+    with pytest.raises(ValueError, match="fragment 0 would be empty"):
+        plan_fragments(model(), 3, split=True, block_size=64)
+
+
+def test_describe_names_a_slice_only_for_a_piece():
+    plan = plan_fragments(model(), 3, split=True, block_size=4)
+    described = plan.describe()
+    assert described[1]["params"][-1] == {"name": "blocks.4.lin.weight", "shape": [2, 2],
+                                          "slice": [0, 2]}
+    assert described[2]["params"][1] == {"name": "blocks.4.lin.bias", "shape": [2]}
+    # whole-tensor plans describe exactly as before: no slice anywhere
+    whole = json.dumps(plan_fragments(model(), 3).describe())
+    assert "slice" not in whole
+
+
+def test_check_against_names_a_different_cut():
+    split = plan_fragments(model(), 3, split=True, block_size=4)
+    split.check_against(json.loads(json.dumps(split.describe())))
+    with pytest.raises(ValueError) as info:
+        split.check_against(plan_fragments(model(), 3).describe())  # a whole-tensor run
+    # fragment 0 of the split plan stops after blocks.0.norm.weight
+    assert str(info.value) == (
+        "fragment 0: the run has parameter blocks.0.norm.bias [2] that the model lacks")
+    run = copy.deepcopy(split.describe())
+    run[2]["params"][0]["slice"] = [1, 4]
+    with pytest.raises(ValueError) as info:
+        split.check_against(run)
+    assert str(info.value) == (
+        "fragment 2: the model has parameter blocks.4.lin.weight [2, 2] [2:4] where the "
+        "run has blocks.4.lin.weight [2, 2] [1:4]")

@@ -118,7 +118,10 @@ def create_run(
     ensure_dataset(cfg, run_url, storage_options=storage_options, progress=progress)
     if built and init_from:
         parent = open_run(init_from, storage_options)
-        applied = load_canonical(parent, plan_for(model, cfg.sync), model)
+        # the parent's own fragments (its P, or whole tensors for a run from before
+        # fragments could split them), which the continuation may change
+        parent_sync = RunConfig.model_validate(parent.manifest.config).sync
+        applied = load_canonical(parent, plan_for(model, parent_sync), model)
         log.info("starting from the canonical model of %s (rounds per fragment: %s)",
                  init_from, applied)
     plan = plan_for(model, cfg.sync)

@@ -328,7 +328,7 @@ class WorkerLoop:
         for event in self.schedule.events(step):
             if event.kind != "merge":
                 continue
-            for spec in self.plan[event.fragment].params:
+            for spec in self.plan[event.fragment].params:  # a piece: its whole tensor
                 dist.broadcast(dict(self.model.named_parameters())[spec.name].data, src=0)
 
     def run(self) -> WorkerResult:
@@ -428,9 +428,9 @@ class WorkerLoop:
         if self.sync is not None:
             self.sync.finish()
         if island > 1:
-            for p in range(len(self.plan)):
-                for spec in self.plan[p].params:
-                    dist.broadcast(dict(self.model.named_parameters())[spec.name].data, src=0)
+            named = dict(self.model.named_parameters())
+            for name in self.plan.param_names():  # a split parameter once, not per piece
+                dist.broadcast(named[name].data, src=0)
         eval_loss = evaluate(self.model, self.val, self.device)
         self.metrics({"worker": self.worker, "step": self.step, "eval_loss": eval_loss,
                       "final": True})
