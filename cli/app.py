@@ -28,6 +28,7 @@ from cli.bucket import bucket_app
 from cli.compare import compare_command
 from cli.data import prepare_data
 from cli.deploy import deploy
+from cli.estimate import estimate
 from cli.gc import gc
 from cli.members import join, leave
 from cli.model import export, sample
@@ -52,6 +53,7 @@ HELP = """Train one language model across regions with Streaming DiLoCo.
   diloco prepare-data builtin:shakespeare --out runs/data/shakespeare
   diloco export RUN --out DIR  the canonical model for transformers (safetensors)
   diloco sample RUN --prompt TEXT   a continuation by the canonical model
+  diloco estimate --params 1e9 -M 8 -H 100 -P 4 --contenders   bytes, $ and bandwidth
 
 Errors you can act on print one line and exit with status 2 (nothing is launched);
 a failed run exits 1, a cancelled one 3, Ctrl-C 130.
@@ -75,6 +77,7 @@ app.command()(export)
 app.command()(sample)
 app.command()(bench)
 app.command("compare")(compare_command)
+app.command()(estimate)
 app.add_typer(bucket_app)
 app.add_typer(store_app)
 
