@@ -38,7 +38,7 @@ from diloco.run import latest_global, load_initial
 from storage import layout
 from storage.checkpoints import read_checkpoint, write_checkpoint
 from storage.errors import BAD_CONTRIBUTION, ObjectMissing, OutsizedContribution
-from storage.exchange import Exchange
+from storage.exchange import Exchange, weighted_sum
 from storage.retry import outlast
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,9 @@ class Aggregator:
         self.roster = Roster(exchange.store, self.manifest, lease_s=self.config.lease_s,
                              slots=slots or 2 * len(self.manifest.workers))
         self.gate = Gate(exchange, self.config, self.roster, name)
-        self.feedback = self.config.feedback(self.manifest.codec_down.name)
+        # a peers mean is never encoded: nothing is lost on the way down to feed back
+        self.feedback = (self.config.feedback(self.manifest.codec_down.name)
+                         and not exchange.from_peers)
         self._norms: dict[tuple[int, int], list[float]] = {}
         self._progress_at = time.monotonic()
         self._progress_wall = _utc_now()
@@ -299,12 +301,9 @@ class Aggregator:
 
     def _mean(self, p: int, values: dict[str, np.ndarray],
               weights: dict[str, float]) -> torch.Tensor:
-        """The weighted float32 mean of ``values`` (zeros when there are none)."""
-        acc = torch.zeros(self.manifest.numel(p), dtype=torch.float32)
-        for w in sorted(weights):
-            # two roundings, pinned: (weight * value) in float32, then the sum
-            acc += torch.from_numpy(values[w]) * np.float32(weights[w])
-        return acc
+        """The weighted float32 mean of ``values`` (zeros when there are none): the
+        exchange's `weighted_sum`, which peers-mean readers use too."""
+        return torch.from_numpy(weighted_sum(self.manifest.numel(p), values, weights))
 
     @staticmethod
     def _weights(tokens: dict[str, int]) -> dict[str, float]:

@@ -127,7 +127,7 @@ class InFlight:
         if self.feedback:
             if previous is not None:
                 previous.encoded.result()  # its residual is set when it finishes
-            delta = rules.with_residual(delta, self.residual[p])
+            delta = rules.with_residual(delta, self.residual[p], self.config.beta)
         prepared = self.exchange.prepare_delta(p, r, self.worker, delta.numpy())
         if self.feedback:
             self.residual[p] = rules.residual_of(delta, torch.from_numpy(prepared.decoded))
@@ -147,7 +147,7 @@ class InFlight:
         delay = self.config.poll_interval_s
         what = f"worker {self.worker}: wait for the mean of fragment {p} round {r}"
         while not self._closed.is_set():
-            got = outlast(lambda: self.exchange.fetch_mean(p, r), what=what, log=log,
+            got = outlast(lambda: self._fetch_mean(p, r), what=what, log=log,
                           patience_s=self.config.outage_s, stop=self._closed.is_set,
                           pause_s=self.config.poll_max_s)
             if got is not None:
@@ -155,6 +155,22 @@ class InFlight:
             self._closed.wait(delay)
             delay = min(delay * 1.5, self.config.poll_max_s)
         raise RuntimeError(f"worker {self.worker}: stopped while waiting for fragment {p} round {r}")
+
+    def _fetch_mean(self, p: int, r: int) -> tuple[np.ndarray, dict] | None:
+        if self.exchange.from_peers:  # the others' contributions only: ours is here
+            return self.exchange.fetch_mean(p, r, self._known(p, r))
+        return self.exchange.fetch_mean(p, r)
+
+    def _known(self, p: int, r: int) -> dict[str, np.ndarray]:
+        """This worker's own committed contribution to (p, r), when it is held: a
+        peers mean then reads only the others'."""
+        sent = self._rounds.get((p, r))
+        if sent is None or not sent.uploaded.done() or sent.uploaded.exception() is not None:
+            return {}
+        published = sent.uploaded.result()
+        if published.commit.get("unusable"):
+            return {}
+        return {self.worker: np.asarray(published.decoded)}
 
     # -- what the rules read -------------------------------------------------------
     def get(self, p: int, r: int) -> Round:

@@ -44,9 +44,16 @@ def outer_gradient(theta_out: torch.Tensor, theta_m: torch.Tensor) -> torch.Tens
     return theta_out - theta_m
 
 
-def with_residual(delta: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """Error feedback: what the codec lost last round rides on this round's delta."""
-    return delta if residual is None else delta + residual
+def with_residual(delta: torch.Tensor, residual: torch.Tensor | None,
+                  beta: float = 1.0) -> torch.Tensor:
+    """Error feedback: what the codec lost last round rides on this round's delta,
+    decayed by ``beta`` first (SparseLoCo's accumulator ``e = beta * e + delta``;
+    ``float32(beta) * e``, then the sum; beta 1 is plain error feedback, bit for bit)."""
+    if residual is None:
+        return delta
+    if beta == 1.0:
+        return delta + residual
+    return delta + residual * torch.tensor(beta, dtype=torch.float32)
 
 
 def residual_of(sent: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:

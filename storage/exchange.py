@@ -6,6 +6,14 @@ aggregator lists the commit records of a round, fetches and verifies each
 contribution, and publishes the mean the same way: whoever creates ``mean.json``
 first wins, and a loser adopts the winner's mean, so there is exactly one mean per
 (fragment, round) even when two aggregators race. Nothing is ever overwritten.
+
+The way down has two forms (``sync.mean_from``). ``aggregator``: the mean is a
+payload of its own, encoded with ``codec_down``. ``peers``: the mean's commit holds
+no payload, only the decision (which contributions, with which weights); every
+reader fetches those contributions itself and sums them with `weighted_sum`, the
+same arithmetic the aggregator used, so all parties hold the same bits without a
+second rounding. It suits the sparse codecs, whose M contributions together are
+smaller than one dense mean.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -21,6 +30,7 @@ import numpy as np
 
 from storage import layout
 from storage.arrays import encode_array, read_array, write_array
+from storage.codecs import CodecSpec
 from storage.errors import (
     BAD_CONTRIBUTION,
     CorruptObject,
@@ -61,6 +71,25 @@ class Published:
     created: bool
 
 
+def weighted_sum(n: int, values: Mapping[str, np.ndarray],
+                 weights: Mapping[str, float]) -> np.ndarray:
+    """``sum_m float32(w_m) * x_m`` over the keys in sorted order, in float32 with two
+    roundings per term (the product, then the sum), starting from +0. The mean of a
+    round; the aggregator and, with ``mean_from: peers``, every worker call this one
+    function, so they agree to the bit."""
+    acc = np.zeros(n, np.float32)
+    for key in sorted(weights):
+        acc += values[key] * np.float32(weights[key])
+    return acc
+
+
+def contribution_of(key: str, round: int) -> tuple[str, int]:
+    """(worker, round) of a mean's weight key: ``w`` is the round's own contribution,
+    ``w@k`` one of round ``k`` applied late in this mean."""
+    worker, _, k = key.partition("@")
+    return worker, (int(k) if k else round)
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat()
 
@@ -79,6 +108,15 @@ class Exchange:
         self.down = manifest.codec_down.spec()
 
     # -- helpers -----------------------------------------------------------------
+    @staticmethod
+    def _codec_record(spec: CodecSpec) -> dict[str, Any]:
+        """How a commit names its codec: ``{"name", "block_size"}`` (and ``chunk``,
+        ``k`` for the sparse codecs)."""
+        record = {"name": spec.name, "block_size": spec.block_size}
+        if spec.is_sparse:
+            record.update(chunk=spec.chunk, k=spec.k)
+        return record
+
     def _check_fragment(self, fragment: int, round: int) -> None:
         if not 0 <= fragment < len(self.manifest.fragments):
             raise ValueError(
@@ -170,7 +208,7 @@ class Exchange:
             "worker": worker,
             "tokens": int(tokens),
             "numel": int(prepared.decoded.size),
-            "codec": {"name": self.up.name, "block_size": self.up.block_size},
+            "codec": self._codec_record(self.up),
             "payload": prepared.payload,
             "objects": prepared.record,
             "created": _now(),
@@ -220,13 +258,26 @@ class Exchange:
         except ObjectMissing:
             return None
 
-    def fetch_mean(self, fragment: int, round: int) -> tuple[np.ndarray, dict[str, Any]] | None:
-        """The decoded, verified mean of (fragment, round), or None if not committed."""
+    @property
+    def from_peers(self) -> bool:
+        """Whether means are summed by their readers from the contributions they name
+        (``sync.mean_from: peers``) rather than published as payloads."""
+        return self.manifest.sync.get("mean_from") == "peers"
+
+    def fetch_mean(
+        self, fragment: int, round: int, known: Mapping[str, np.ndarray] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]] | None:
+        """The decoded, verified mean of (fragment, round), or None if not committed.
+
+        ``known``: contributions the caller holds already, by weight key (a worker's
+        own), which a peers mean then does not read again."""
         self._check_fragment(fragment, round)
         commit = self.mean_commit(fragment, round)
         if commit is None:
             return None
         what = f"mean of fragment {fragment} round {round}"
+        if commit.get("mean_from") == "peers":
+            return self._peers_mean(fragment, round, commit, known or {}, what), commit
         self._check_binding(
             commit, layout.mean_commit(fragment, round), kind="mean", fragment=fragment,
             round=round, party=("writer", commit.get("writer")),
@@ -243,6 +294,26 @@ class Exchange:
             what=what,
         )
         return value, commit
+
+    def _peers_mean(self, fragment: int, round: int, commit: dict[str, Any],
+                    known: Mapping[str, np.ndarray], what: str) -> np.ndarray:
+        """Sum the contributions a peers mean names, each fetched and verified as the
+        aggregator did (the commit records name their sha256)."""
+        expected = {"kind": "mean", "run": self.manifest.run_id, "fragment": fragment,
+                    "round": round}
+        for k, v in expected.items():
+            if commit.get(k) != v:
+                raise MisboundRecord(
+                    f"{what}: the record at {self.store.full_url(layout.mean_commit(fragment, round))}"
+                    f" says {k} = {commit.get(k)!r}, its key says {v!r}")
+        weights = commit.get("weights")
+        if not isinstance(weights, dict):
+            raise CorruptObject(f"{what}: the commit names no weights")
+        values = {}
+        for key in sorted(weights):
+            worker, k = contribution_of(key, round)
+            values[key] = known[key] if key in known else self.fetch_delta(fragment, k, worker)[0]
+        return weighted_sum(self.manifest.numel(fragment), values, weights)
 
     # -- aggregator side ----------------------------------------------------------
     def committed_workers(self, fragment: int, round: int) -> list[str]:
@@ -274,7 +345,7 @@ class Exchange:
         if commit.get("numel") != n:
             raise ShapeMismatch(f"{what}: {commit.get('numel')} values, the run expects {n}")
         codec = commit.get("codec", {})
-        if codec.get("name") != self.up.name or codec.get("block_size") != self.up.block_size:
+        if codec != self._codec_record(self.up):
             raise CorruptObject(f"{what}: codec {codec}, the run uses {self.up}")
         value = read_array(
             self.store, commit["payload"], commit["objects"],
@@ -305,8 +376,6 @@ class Exchange:
         existing = self.fetch_mean(fragment, round)
         if existing is not None:
             return Published(existing[0], existing[1], False)
-        payload = layout.mean_payload(fragment, round, writer, _nonce())
-        record, decoded = write_array(self.store, payload, x, self.down)
         commit = {
             "kind": "mean",
             "run": self.manifest.run_id,
@@ -315,12 +384,17 @@ class Exchange:
             "writer": writer,
             "weights": {k: float(v) for k, v in sorted(weights.items())},
             "numel": int(x.size),
-            "codec": {"name": self.down.name, "block_size": self.down.block_size},
-            "payload": payload,
-            "objects": record,
             "created": _now(),
-            **(extra or {}),
         }
+        if self.from_peers:  # x is weighted_sum of the named contributions: no payload
+            decoded = x
+            commit["mean_from"] = "peers"
+        else:
+            payload = layout.mean_payload(fragment, round, writer, _nonce())
+            record, decoded = write_array(self.store, payload, x, self.down)
+            commit.update(codec=self._codec_record(self.down), payload=payload,
+                          objects=record)
+        commit.update(extra or {})
         if self.store.put_if_absent(commit_key, json.dumps(commit, sort_keys=True).encode()):
             return Published(decoded, commit, True)
         log.info("%s: another aggregator committed first; adopting its mean", what)

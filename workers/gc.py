@@ -18,6 +18,8 @@ each kind of object later:
   and checkpointed. In a finished run they serve an audit only: the newest
   ``retention.contributions`` rounds per fragment keep theirs; the commit records,
   which name each payload's sha256, norm and token weight, always stay.
+  With ``sync.mean_from: peers`` the means are sums of the contributions they
+  name, so those contributions are kept like means.
 - **Orphans**: a payload no commit record names (an upload that lost a race or
   was retried under a new nonce). Readers never look at them; they go once the
   run has finished, when no writer can still be about to commit one.
@@ -233,7 +235,8 @@ def _payloads(store: ObjectStore, tree: _Tree, exchange: Exchange,
         rounds = sorted(r for name in tree.children(f"frag/{p}")
                         if (r := layout.parse_round(name)) is not None)
         applied = [r for r in rounds if f"{layout.round_prefix(p, r)}/mean.json" in tree.sizes]
-        kept = set(rounds) if contributions == "all" else \
+        # a peers mean has no payload of its own: the contributions it names are it
+        kept = set(rounds) if contributions == "all" or exchange.from_peers else \
             set(applied[-contributions:] if contributions else [])
         for r in rounds:
             base = layout.round_prefix(p, r)

@@ -1,0 +1,141 @@
+"""SparseLoCo's pieces in the synchroniser and the aggregator: the decayed
+error-feedback accumulator, the averaged outer step, and the peers way down (the
+aggregator commits only the weights; each worker sums the contributions itself).
+Replicas and the aggregator run as threads on memory:// stores."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from diloco import rules
+from diloco.config import SyncConfig
+from diloco.inflight import InFlight
+from diloco.run import new_run, open_exchange
+from replicas import Blocks, data, train_replicas
+from storage.checkpoints import read_checkpoint
+from storage.codecs import roundtrip
+from storage.exchange import contribution_of, weighted_sum
+from storage.objectstore import ObjectStore
+
+
+def url() -> str:
+    return f"memory://sparse-sync/{uuid.uuid4().hex}"
+
+
+def _outer(res, worker: str) -> torch.Tensor:
+    sync = res.traces[worker].sync
+    return torch.cat([sync.outer_params(p) for p in range(len(sync.plan))])
+
+
+CODECS = ["int4"]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_peers_mean_gives_every_party_the_aggregators_bits(codec):
+    """mean_from peers: the mean's commit has no payload, every worker's outer state
+    equals the aggregator's checkpoint of each round bit for bit, and the mean is
+    the weighted float32 sum of the contributions it names (no second rounding)."""
+    cfg = SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1,
+                     codec_up=codec, codec_down="int8", mean_from="peers", block_size=32,
+                     sparse_chunk=64, sparse_k=8)
+    res = train_replicas(url(), Blocks, data, cfg, total_steps=14, inner_lr=0.05)
+    ex = res.aggregator.exchange
+    for p in range(2):
+        for r in range(ex.manifest.rounds[p]):
+            commit = ex.mean_commit(p, r)
+            assert commit["mean_from"] == "peers" and "payload" not in commit
+            values = {k: ex.fetch_delta(p, *reversed(contribution_of(k, r)))[0]
+                      for k in commit["weights"]}
+            expected = weighted_sum(ex.manifest.numel(p), values, commit["weights"])
+            mean, _ = ex.fetch_mean(p, r)
+            assert np.array_equal(mean, expected)
+        arrays, _ = read_checkpoint(ex.store, f"global/frag/{p}/r{ex.manifest.rounds[p] - 1:06d}.json")
+        for w in ("w0", "w1"):
+            sync = res.traces[w].sync
+            assert torch.equal(sync.outer_params(p), torch.from_numpy(arrays["params"]))
+            assert torch.equal(sync.outer_momentum(p), torch.from_numpy(arrays["momentum"]))
+    assert not list(ex.store.list("frag/0/r000000/mean/"))  # no mean payload written
+
+
+def test_a_peers_mean_reads_only_the_other_workers_contributions():
+    cfg = SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1,
+                     codec_up="int4", mean_from="peers", block_size=32)
+    res = train_replicas(url(), Blocks, data, cfg, total_steps=8, inner_lr=0.05)
+    for w, other in (("w0", "w1"), ("w1", "w0")):
+        read = res.traces[w].sync.exchange.store.traffic.objects_down
+        assert any(f"/delta/{other}/" in k for k in read)
+        assert not any(f"/delta/{w}/" in k for k in read), sorted(read)
+
+
+def test_the_averaged_outer_step_moves_by_the_mean_without_momentum():
+    """outer_step average: eta 1, no momentum, theta_(r+1) = theta_r - mean_r exactly
+    (with eta 1 the new outer parameters are the average of the replicas)."""
+    cfg = SyncConfig(mode="diloco", sync_every=3, fragments=1, outer_step="average")
+    assert (cfg.eta, cfg.mu) == (1.0, 0.0)
+    res = train_replicas(url(), Blocks, data, cfg, total_steps=9, inner_lr=0.05)
+    ex = res.aggregator.exchange
+    theta = torch.from_numpy(read_checkpoint(ex.store, "global/init/0.json")[0]["params"])
+    for r in range(3):
+        mean, _ = ex.fetch_mean(0, r)
+        theta = theta - torch.from_numpy(mean)
+        arrays, _ = read_checkpoint(ex.store, f"global/frag/0/r{r:06d}.json")
+        assert torch.equal(torch.from_numpy(arrays["params"]), theta)
+        assert "momentum" not in arrays
+    assert torch.equal(_outer(res, "w0"), theta)
+    with pytest.raises(ValueError, match="outer_momentum must be 0 or unset"):
+        SyncConfig(outer_step="average", outer_momentum=0.9)
+
+
+def test_the_accumulator_decays_by_beta_before_the_next_outer_gradient():
+    """e = beta * e + delta; sent = decode(encode(e)); e = e - sent (SparseLoCo),
+    checked through the real encoder thread against the codec's own round trip."""
+    cfg = SyncConfig(mode="streaming", sync_every=4, fragments=1, codec_up="int4",
+                     block_size=32, error_decay=0.5)
+    model = Blocks()
+    store = ObjectStore(url())
+    new_run(store, model, cfg, workers=["w0"], total_steps=8)
+    ex = open_exchange(store)
+    flight = InFlight(ex, "w0", 1, cfg, on_wait=lambda s: None)
+    n = ex.manifest.numel(0)
+    g = torch.Generator().manual_seed(3)
+    d1, d2 = (torch.randn(n, generator=g) for _ in range(2))
+    try:
+        flight.send(0, 0, d1, tokens=1, final=False, step=4)
+        flight.get(0, 0).encoded.result()
+        e1 = d1 - torch.from_numpy(roundtrip(d1.numpy(), cfg.up)[1])
+        assert torch.equal(flight.residual[0], e1)
+        flight.send(0, 1, d2, tokens=1, final=False, step=8)
+        flight.get(0, 1).encoded.result()
+        x2 = d2 + e1 * torch.tensor(0.5)
+        assert torch.equal(flight.residual[0], x2 - torch.from_numpy(roundtrip(x2.numpy(), cfg.up)[1]))
+    finally:
+        flight.close()
+
+
+def test_beta_defaults_and_plain_feedback_is_unchanged():
+    assert SyncConfig(codec_up="topk2").beta == 0.95
+    assert SyncConfig(codec_up="int4").beta == 1.0
+    d, e = torch.randn(100), torch.randn(100)
+    assert torch.equal(rules.with_residual(d, e, 1.0), d + e)
+    assert torch.equal(rules.with_residual(d, e, 0.95), d + e * np.float32(0.95))
+    with pytest.raises(ValueError, match="error_decay must be in"):
+        SyncConfig(error_decay=0.0)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_worker_resumes_exactly_with_a_decayed_accumulator(codec):
+    """The accumulator is in the worker's checkpoint: a worker restarted mid-run
+    (a fragment in flight) continues bit for bit, peers mean and all."""
+    cfg = SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1, alpha=0.5,
+                     codec_up=codec, error_decay=0.8, mean_from="peers", block_size=32,
+                     sparse_chunk=64, sparse_k=4, outer_step="average")
+    plain = train_replicas(url(), Blocks, data, cfg, total_steps=14, inner_lr=0.05)
+    resumed = train_replicas(url(), Blocks, data, cfg, total_steps=14, inner_lr=0.05,
+                             restart_at={"w0": 5, "w1": 8})
+    for w in ("w0", "w1"):
+        assert plain.traces[w].losses == resumed.traces[w].losses
+        assert torch.equal(_outer(plain, w), _outer(resumed, w))
