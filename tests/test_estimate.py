@@ -19,17 +19,25 @@ def _close(measured: int, estimated: int, what: str) -> None:
     assert abs(estimated - measured) <= 0.05 * measured, (what, measured, estimated)
 
 
-@pytest.mark.parametrize("up, down, fragments", [("int4", "int8", 2), ("int8", "int8", 1)])
-def test_estimate_agrees_with_a_measured_tiny_run(tmp_path, up, down, fragments):
+@pytest.mark.parametrize("up, down, fragments, mean_from", [
+    ("int4", "int8", 2, "aggregator"), ("int8", "int8", 1, "aggregator"),
+    ("topk2", "int8", 2, "aggregator"), ("topk2", "topk2", 2, "peers"),
+    ("int4", "int8", 2, "peers"),
+])
+def test_estimate_agrees_with_a_measured_tiny_run(tmp_path, up, down, fragments, mean_from):
+    # chunks of 64 values, so the tiny model's fragments are several sparse chunks;
+    # no norm guard: a tiny model's norms jump, and rejection notes are not modelled
     cfg = SyncConfig(mode="streaming", sync_every=4, fragments=fragments, codec_up=up,
-                     codec_down=down, norm_guard=0)  # a tiny model's norms jump
+                     codec_down=down, mean_from=mean_from, norm_guard=0, sparse_chunk=64,
+                     sparse_k=8)
     steps = 16
     res = train_replicas(f"file://{tmp_path}/run", Blocks, data, cfg, total_steps=steps)
     sizes = tuple(f.numel for f in plan_for(Blocks(), cfg).fragments)
     # the harness writes no status objects (a real worker does, once a second at most)
     s = ar.Setup(params=sum(sizes), workers=2, steps=steps, sync_every=4, fragments=fragments,
                  up=cfg.up, down=cfg.down, merge_alpha=cfg.merge_alpha, momentum=cfg.mu > 0,
-                 residual=res.aggregator.feedback, status_every_s=None, sizes=sizes)
+                 residual=res.aggregator.feedback, status_every_s=None, sizes=sizes,
+                 mean_from=mean_from)
     est = ar.per_run(s)
     for worker, trace in res.traces.items():
         counted = trace.sync.exchange.store.traffic
