@@ -56,6 +56,7 @@ reference and checks the bits.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Protocol
 
 import numpy as np
@@ -231,7 +232,7 @@ def _encode_parts(x: np.ndarray, spec: SparseSpec) -> list[tuple[np.ndarray, ...
     for start, size, length in spans:
         rows = x[start : start + size].reshape(-1, length)
         cols, bits, negative = _select_rows(rows, min(k, length), scratch)
-        if bits[:, 0].size and bits.max() >= _INF_BITS:
+        if bits.max() >= _INF_BITS:  # NaN and inf sort above every finite magnitude
             raise NonFiniteValues("encode: input contains NaN or Inf; refusing to send it")
         codes, lo, hi = _quantize(bits.view(np.float32), negative, b)
         parts.append((cols, codes, lo, hi))
@@ -261,7 +262,9 @@ def _scatter(parts: list[tuple[np.ndarray, ...]], spec: SparseSpec, out: np.ndar
         out[idx] = values
 
 
-def _kept_parts(parts: list[tuple[np.ndarray, ...]], spec: SparseSpec):
+def _kept_parts(
+    parts: list[tuple[np.ndarray, ...]], spec: SparseSpec
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(absolute indices, values) per part; parts tile the input in order, the
     partial chunk (if any) last, so each starts ``rows * C`` after the previous."""
     start = 0
