@@ -29,7 +29,14 @@ from rich.text import Text
 from cli.console import runnable
 from storage.exchange import Exchange
 from workers.gc import Usage
-from workers.report import human_bytes, human_seconds, snapshot, traffic_totals
+from workers.report import (
+    cost_line,
+    human_bytes,
+    human_seconds,
+    run_cost,
+    snapshot,
+    traffic_totals,
+)
 
 _STATE_STYLE = {"finished": "green", "running": "cyan", "cancelled": "yellow",
                 "interrupted": "yellow", "failed": "red"}
@@ -382,6 +389,9 @@ def print_report(console: Console, report: dict[str, Any], *,
     console.print(canonical_line(report, initial_eval))
     console.print(packed(console, traffic_line(report["global"])), soft_wrap=True,
                   highlight=False)
+    if report.get("cost"):
+        console.print(packed(console, cost_line(report["cost"])), soft_wrap=True,
+                      highlight=False)
     if report.get("store"):
         console.print(packed(console, store_line(report["store"])), soft_wrap=True,
                       highlight=False)
@@ -431,6 +441,8 @@ def print_status(console: Console, exchange: Exchange, run_url: str,
                for s in snap["workers"].values()]
     console.print(packed(console, traffic_line(traffic_totals(workers, a))), soft_wrap=True,
                   highlight=False)
+    console.print(packed(console, cost_line(run_cost(snap, getattr(m, "config", None)))),
+                  soft_wrap=True, highlight=False)
     if usage is not None:
         console.print(packed(console, store_line({"bytes": usage.total_bytes,
                                                   "by_kind": usage.as_dict()})),

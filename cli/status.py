@@ -15,7 +15,7 @@ from cli.train import open_named_run
 from flows import cancel as cancelling
 from flows.control import cancel_request, read_launcher, request_cancel
 from workers.gc import usage
-from workers.report import snapshot
+from workers.report import run_cost, snapshot
 
 
 def status(
@@ -28,7 +28,9 @@ def status(
     size = usage(exchange.store)  # one listing of the run's objects
     rows = members(exchange)
     if as_json:
-        print(json.dumps({"run_url": url, **snapshot(exchange), "members": rows,
+        snap = snapshot(exchange)
+        print(json.dumps({"run_url": url, **snap, "members": rows,
+                          "cost": run_cost(snap, exchange.manifest.config),
                           "launcher": launcher,
                           "cancel": cancel, "store": {"bytes": size.total_bytes,
                                                       "objects": size.total_objects,

@@ -54,7 +54,7 @@ from storage import layout
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
 from tracking.hooks import Hooks
-from workers.report import TRAFFIC_KEYS
+from workers.report import TRAFFIC_KEYS, party_meter
 from workers.status import StatusBoard, read_all, read_status
 
 log = logging.getLogger(__name__)
@@ -163,13 +163,15 @@ def run_aggregator_job(
     # the bytes it moves, cumulative across restarts like the workers' (their counters
     # are in their checkpoints); its canonical checkpoints apart, as they are most of it
     moved_before = {k: int(previous.get(k) or 0) for k in TRAFFIC_KEYS}
+    # its bill: the exchange's and the status board's requests and bytes, cumulative too
+    meter = party_meter(cfg, NAME, [exchange.store], board)
 
     def moved() -> dict[str, int]:
         t = exchange.store.traffic
         ckpt = sum(c.bytes_up for cat, c in t.by_category().items()
                    if cat.startswith(layout.CANONICAL_STATES))
         now = {"bytes_up": t.bytes_up, "bytes_down": t.bytes_down, "bytes_checkpoints": ckpt}
-        return {k: moved_before[k] + now[k] for k in TRAFFIC_KEYS}
+        return {**{k: moved_before[k] + now[k] for k in TRAFFIC_KEYS}, **meter.figures()}
     if "initial_eval_loss" in previous:  # kept across restarts
         last_eval["initial_eval_loss"] = previous["initial_eval_loss"]
     elif evaluator is not None and sum(agg.next_round) == 0:

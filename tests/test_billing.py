@@ -160,3 +160,68 @@ def test_billing_config_resolves_regions_and_prices() -> None:
     assert b.meter(t, "region-b").figures()["egress_up_usd"] == pytest.approx(0.08)
     assert b.meter(t, "region-a").figures()["egress_usd"] == 0.0
     assert load_config(None).billing.region_of("aggregator") == "other:local"
+
+
+def _by_hand(s: dict, up_rate: float, down_rate: float) -> float:
+    """A party's dollars from its status counts, the model written out."""
+    return (s["billed_bytes_down"] * down_rate / 1e9 + s["billed_bytes_up"] * up_rate / 1e9
+            + s["requests_a"] * 0.005 / 1000 + s["requests_b"] * 0.0004 / 1000)
+
+
+def test_a_real_run_across_two_clouds_bills_each_worker(in_process, tmp_path, monkeypatch) -> None:
+    """Store in aws:us-east-1, region-a beside it, region-b in GCP: region-b pays the
+    internet rates both ways, region-a only its requests; the status, its JSON and
+    the train flow's report all say so."""
+    from rich.console import Console
+
+    from cli.app import app
+    from cli.progress import print_report
+    from flows.launchers import LocalLauncher
+    from flows.train import run_train
+    from workers.config import load_config
+    from workers.data.prepare import prepare_data
+    from workers.report import markdown
+
+    monkeypatch.setenv("DILOCO_TRACKING", "off")
+    data = str(tmp_path / "data")
+    prepare_data(["builtin:shakespeare/tragedies/*"], data, max_bytes=100_000)
+    cfg = load_config("tiny", [
+        "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
+        "data.seq_len=32", "data.batch_size=8", "train.steps=16", "train.eval_every=0",
+        "train.eval_batches=2", "train.threads=1", "sync.sync_every=8", "sync.fragments=2",
+        "train.checkpoint_every=8", f"data.dataset={data}", f"store={tmp_path / 'runs'}",
+        "billing.store=aws:us-east-1",
+        "billing.regions={region-a: aws:us-east-1, region-b: gcp:europe-west4}"])
+    url = str(tmp_path / "runs" / "billed")
+    report = run_train(cfg, url, launcher=LocalLauncher(), poll_s=0.3)
+    assert report["state"] == "finished", report
+
+    result = in_process.invoke(app, ["status", url, "--json"])
+    assert result.exit_code == 0, result.output
+    status = __import__("json").loads(result.stdout)
+    a, b = status["workers"]["region-a"], status["workers"]["region-b"]
+    assert b["crossing"] == "internet" and a["crossing"] == "none"
+    assert b["billed_bytes_up"] > b["bytes_up"] > 0  # its checkpoints are billed too
+    assert b["cost_usd"] == pytest.approx(_by_hand(b, up_rate=0.12, down_rate=0.09))
+    assert b["egress_usd"] > 0.0
+    assert a["egress_usd"] == 0.0 and a["cost_usd"] > 0  # requests only
+    assert a["cost_usd"] == pytest.approx(_by_hand(a, up_rate=0, down_rate=0))
+    cost = status["cost"]
+    assert cost["parties"]["region-b"]["cost_usd"] == b["cost_usd"]
+    assert cost["total_usd"] == pytest.approx(
+        a["cost_usd"] + b["cost_usd"] + status["aggregator"]["cost_usd"])
+    assert cost["prices"]["aws"]["read"] == DEFAULT_PRICES["aws"].read
+
+    shown = in_process.invoke(app, ["status", url])
+    text = " ".join(shown.stdout.split())
+    assert "cost: $" in text and "region-b internet" in text
+    assert f"aws list prices read {DEFAULT_PRICES['aws'].read}" in text
+
+    g = report["global"]
+    rows = {w["worker"]: w for w in report["workers"]}
+    assert rows["region-b"]["cost_usd"] == pytest.approx(b["cost_usd"])
+    assert g["cost_usd"] == pytest.approx(g["workers_cost_usd"] + g["aggregator_cost_usd"])
+    assert f"aws read {DEFAULT_PRICES['aws'].read}" in markdown(report)
+    console = Console(record=True, width=200)
+    print_report(console, report)
+    assert "cost: $" in console.export_text()

@@ -18,7 +18,18 @@ import math
 from typing import Any
 
 ROUND_EXTRAS = ("eval_loss", "perplexity", "bytes_up", "bytes_down", "bytes_checkpoints",
-                "late", "dropped", "expected")
+                "late", "dropped", "expected", "cost_usd", "egress_usd", "requests_usd")
+
+#: the run's bill on the parent run (from the train job's report, `workers.report`):
+#: all parties, the workers', the aggregator's, egress and requests
+COST_TOTALS = ("cost_usd", "workers_cost_usd", "aggregator_cost_usd", "egress_usd",
+               "requests_usd")
+
+
+def cost_totals(summary: dict[str, Any]) -> dict[str, float]:
+    """The dollar totals of a train job's report, for the parent run's metrics."""
+    g = summary.get("global") or {}
+    return {k: float(g[k]) for k in COST_TOTALS if is_number(g.get(k))}
 
 
 def on_time(weights: dict[str, Any]) -> dict[str, Any]:

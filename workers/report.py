@@ -8,11 +8,16 @@ committed means, so the same figures are seen from any region, by the train flow
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from storage import layout
+from storage import billing, layout
 from storage.exchange import Exchange
-from workers.status import read_all, read_status
+from storage.objectstore import ObjectStore
+from workers.status import StatusBoard, read_all, read_status
+
+if TYPE_CHECKING:
+    from workers.config import RunConfig
 
 AGGREGATOR = layout.AGGREGATOR
 TRAIN = layout.TRAIN  # the train job's status: only its not-logged tracking counts
@@ -22,12 +27,79 @@ TRAIN = layout.TRAIN  # the train job's status: only its not-logged tracking cou
 #: round checkpoints.
 TRAFFIC_KEYS = ("bytes_up", "bytes_down", "bytes_checkpoints")
 
+#: What a party's status says of its bill (`storage.billing.Meter.figures`, cumulative
+#: across its restarts), beside ``crossing``.
+COST_KEYS = ("cost_usd", "egress_usd", "egress_up_usd", "egress_down_usd", "requests_usd",
+             "requests_a", "requests_b", "billed_bytes_up", "billed_bytes_down")
+
 #: Per-worker columns of the final table: (key in the report, title).
 WORKER_COLUMNS = [
     ("worker", "worker"), ("state", "state"), ("steps", "steps"), ("tokens", "tokens"),
     ("bytes_up", "bytes up"), ("bytes_down", "bytes down"), ("wait_s", "wait s"),
-    ("loss", "final loss"), ("eval_loss", "eval loss"),
+    ("loss", "final loss"), ("eval_loss", "eval loss"), ("cost_usd", "cost"),
 ]
+
+
+def party_meter(cfg: RunConfig, party: str, stores: Sequence[ObjectStore],
+                board: StatusBoard) -> billing.Meter:
+    """The bill of ``party``: the traffic of every store client it has (``stores`` and
+    its status board's) at the run's prices, added to what the status of its previous
+    life recorded, so that a restarted party's bill is the whole run's."""
+    before = read_status(board.store, board.name) or {}
+    return cfg.billing.meter([s.traffic for s in [*stores, board.store]], party, before)
+
+
+def price_basis(config: dict[str, Any] | None) -> dict[str, Any]:
+    """What a run's bill rests on, from its config: the store's region, each
+    configured party's, and the date and source of the list prices of every provider
+    involved (read from the config as stored in the manifest: no torch, no pydantic)."""
+    b = (config or {}).get("billing") or {}
+    store = b.get("store") or billing.LOCAL
+    regions = dict(b.get("regions") or {})
+    table = billing.price_table(b.get("prices"))
+    names = sorted({billing.parse_region(r)[0] for r in [store, *regions.values()]})
+    return {"store": store, "regions": regions,
+            "prices": {n: {"read": table[n].read, "source": table[n].source} for n in names}}
+
+
+def party_cost(status: dict[str, Any]) -> dict[str, Any]:
+    """One party's bill as its status records it (zeros before its first status)."""
+    return {**{k: status.get(k) or 0 for k in COST_KEYS},
+            "crossing": status.get("crossing") or "none"}
+
+
+def run_cost(snap: dict[str, Any], config: dict[str, Any] | None) -> dict[str, Any]:
+    """The run's bill so far from a `snapshot`: per party, the workers', the
+    aggregator's, the total, and the prices it rests on (`price_basis`)."""
+    parties = {**{w: party_cost(s) for w, s in snap["workers"].items()},
+               AGGREGATOR: party_cost(snap["aggregator"])}
+    workers = sum(c["cost_usd"] for n, c in parties.items() if n != AGGREGATOR)
+    return {"total_usd": workers + parties[AGGREGATOR]["cost_usd"], "workers_usd": workers,
+            "aggregator_usd": parties[AGGREGATOR]["cost_usd"],
+            "egress_usd": sum(c["egress_usd"] for c in parties.values()),
+            "requests_usd": sum(c["requests_usd"] for c in parties.values()),
+            "parties": parties, **price_basis(config)}
+
+
+def usd(value: float | None) -> str:
+    """Dollars as a reader wants them: cents from $1, else four significant digits
+    (a tiny run costs fractions of a cent)."""
+    if value is None:
+        return "-"
+    return f"${value:,.2f}" if abs(value) >= 1 else f"${value:.4g}"
+
+
+def cost_line(cost: dict[str, Any]) -> list[str]:
+    """The run's bill so far, who paid it and over which crossing, and the prices
+    it rests on: the parts of one line (`cli.progress.packed` breaks it)."""
+    crossings = [f"{n} {c['crossing']}," for n, c in cost["parties"].items()]
+    prices = [f"{n} list prices read {p['read']}," for n, p in cost["prices"].items()]
+    if prices:
+        prices[-1] = prices[-1].rstrip(",")
+    return [f"cost: {usd(cost['total_usd'])} so far", f"(workers {usd(cost['workers_usd'])},",
+            f"aggregator {usd(cost['aggregator_usd'])});",
+            f"egress {usd(cost['egress_usd'])}, requests {usd(cost['requests_usd'])};",
+            f"store {cost['store']}; crossing:", *crossings, "at", *prices]
 
 
 def snapshot(exchange: Exchange) -> dict[str, Any]:
@@ -68,6 +140,7 @@ def build_report(exchange: Exchange, *, run_url: str, state: str, wall_seconds: 
                  message: str = "") -> dict[str, Any]:
     """The final report: per worker and global figures (the train job's result)."""
     snap = snapshot(exchange)
+    cost = run_cost(snap, exchange.manifest.config)
     workers = []
     for name, s in snap["workers"].items():
         workers.append({
@@ -76,7 +149,7 @@ def build_report(exchange: Exchange, *, run_url: str, state: str, wall_seconds: 
                                                             snap["total_steps"]),
             "tokens": s.get("tokens", 0), "bytes_up": s.get("bytes_up", 0),
             "bytes_down": s.get("bytes_down", 0), "wait_s": s.get("wait_s", 0.0),
-            "loss": s.get("loss"), "eval_loss": s.get("eval_loss"),
+            "loss": s.get("loss"), "eval_loss": s.get("eval_loss"), **party_cost(s),
         })
     agg = snap["aggregator"]
     eval_loss = agg.get("eval_loss")
@@ -97,8 +170,10 @@ def build_report(exchange: Exchange, *, run_url: str, state: str, wall_seconds: 
             **participation(agg, exchange.manifest.workers),
             "tokens": sum(w["tokens"] or 0 for w in workers),
             **traffic_totals(workers, agg),
+            **{f"{k}_usd": v for k, v in cost_totals(cost).items()},
         },
-        "aggregator": {k: int(agg.get(k) or 0) for k in TRAFFIC_KEYS},
+        "aggregator": {**{k: int(agg.get(k) or 0) for k in TRAFFIC_KEYS}, **party_cost(agg)},
+        "cost": cost,
         **({"store": sized} if sized else {}),
     }
 
@@ -117,6 +192,14 @@ def traffic_totals(workers: list[dict[str, Any]], aggregator: dict[str, Any]) ->
             "bytes_total": up + down + a_up + a_down}
 
 
+def cost_totals(cost: dict[str, Any]) -> dict[str, float]:
+    """The report's global dollar figures (keys get ``_usd``): ``cost`` (all parties),
+    ``workers_cost``, ``aggregator_cost``, ``egress``, ``requests``."""
+    return {"cost": cost["total_usd"], "workers_cost": cost["workers_usd"],
+            "aggregator_cost": cost["aggregator_usd"], "egress": cost["egress_usd"],
+            "requests": cost["requests_usd"]}
+
+
 def table_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The final table: one row per worker, then one for the canonical model."""
     rows = [{title: _cell(w.get(key)) for key, title in WORKER_COLUMNS}
@@ -129,13 +212,15 @@ def table_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
         "bytes down": _cell(g["aggregator_bytes_down"]),
         "wait s": f"participation {_percent(g['participation'])}",
         "final loss": f"of which checkpoints {human_bytes(g['bytes_checkpoints'])}",
-        "eval loss": _cell(g["eval_loss"]),
+        "eval loss": _cell(g["eval_loss"]), "cost": usd(g.get("aggregator_cost_usd")),
     })
     rows.append({
         "worker": "all parties", "state": "", "steps": "", "tokens": "",
         "bytes up": _cell(g["bytes_up"]), "bytes down": _cell(g["bytes_down"]),
-        "wait s": "", "final loss": "", "eval loss": "",
+        "wait s": "", "final loss": "", "eval loss": "", "cost": usd(g.get("cost_usd")),
     })
+    for row, w in zip(rows, report["workers"], strict=False):
+        row["cost"] = usd(w.get("cost_usd"))
     return rows
 
 
@@ -178,4 +263,14 @@ def markdown(report: dict[str, Any]) -> str:
             f"{human_bytes(g['workers_bytes_down'])} down; aggregator "
             f"{human_bytes(g['aggregator_bytes_up'])} up, of which canonical checkpoints "
             f"{human_bytes(g['bytes_checkpoints'])}, {human_bytes(g['aggregator_bytes_down'])} "
-            f"down). Store: `{report['run_url']}`")
+            f"down). {_cost_sentence(report)}Store: `{report['run_url']}`")
+
+
+def _cost_sentence(report: dict[str, Any]) -> str:
+    """The bill in the artifact: total, workers, aggregator, the prices' dates."""
+    cost = report.get("cost")
+    if not cost:
+        return ""
+    read = ", ".join(f"{n} read {p['read']}" for n, p in cost["prices"].items())
+    return (f"Cost: {usd(cost['total_usd'])} (workers {usd(cost['workers_usd'])}, aggregator "
+            f"{usd(cost['aggregator_usd'])}; store {cost['store']}; list prices: {read}). ")

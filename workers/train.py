@@ -37,7 +37,7 @@ from diloco.run import load_initial, open_exchange, plan_for
 from diloco.schedule import Schedule
 from storage.objectstore import ObjectStore
 from storage.retry import outlast
-from workers import checkpoint, elastic
+from workers import checkpoint, elastic, report
 from workers.config import RunConfig
 from workers.data.streams import WorkerStream, open_dataset, val_batches
 from workers.model import Transformer, build_model, describe
@@ -197,8 +197,8 @@ class WorkerLoop:
         self.cfg = RunConfig.model_validate(manifest.config)
         self.status = StatusBoard(
             ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-status"),
-            worker, background=True, renew_s=max(0.5, self.cfg.sync.lease_s / 4),
-        )
+            worker, background=True, renew_s=max(0.5, self.cfg.sync.lease_s / 4))
+        self.meter = report.party_meter(self.cfg, worker, [self.store, self.ckpt_store], self.status)
         self.worker = worker
         self.sync: Synchronizer | None = None
         self.step, self.tokens, self.from_step = 0, 0, 0
@@ -472,10 +472,10 @@ class WorkerLoop:
     def _status(self, state: str, force: bool = False, **fields: Any) -> None:
         if self.status is None:
             return
-        t = self.store.traffic
+        t, bill = self.store.traffic, self.meter.figures()  # exchange bytes; the bill: all
         self.status.update(
             state, force=force, step=self.step, total_steps=self.cfg.train.steps,
-            tokens=self.tokens, bytes_up=t.bytes_up, bytes_down=t.bytes_down,
+            tokens=self.tokens, bytes_up=t.bytes_up, bytes_down=t.bytes_down, **bill,
             wait_s=self.sync.stats.wait_seconds if self.sync else 0.0,
             from_step=self.from_step, slot=getattr(getattr(self, "seat", None), "slot", None),
             rebases=self.sync.stats.rebases if self.sync else 0, **fields,
@@ -484,9 +484,8 @@ class WorkerLoop:
     def _report(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:
         m: dict[str, Any] = {
             "worker": self.worker, "step": step, "loss": loss, "lr": lr,
-            "tokens_per_s": tokens_per_s, "tokens": self.tokens,
-            "bytes_up": self.store.traffic.bytes_up,
-            "bytes_down": self.store.traffic.bytes_down,
+            "tokens_per_s": tokens_per_s, "tokens": self.tokens, **self.meter.figures(),
+            "bytes_up": self.store.traffic.bytes_up, "bytes_down": self.store.traffic.bytes_down,
         }
         if self.sync is not None:
             st = self.sync.stats
