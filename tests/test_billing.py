@@ -225,3 +225,20 @@ def test_a_real_run_across_two_clouds_bills_each_worker(in_process, tmp_path, mo
     console = Console(record=True, width=200)
     print_report(console, report)
     assert "cost: $" in console.export_text()
+
+
+def test_mlflow_gets_the_cost_per_round_per_worker_and_on_the_parent() -> None:
+    from tracking.metrics import cost_totals, numbers, round_metrics, round_size
+
+    report = {"fragment": 0, "round": 1, "weights": {"a": 1.0}, "cost_usd": 0.5,
+              "egress_usd": 0.4, "requests_usd": 0.1, "crossing": "internet"}
+    names = {m.key: m.value for m in round_metrics(report, {}, 0, 3)}
+    assert names["cost_usd"] == 0.5 and names["egress_usd"] == 0.4
+    assert len(names) == round_size(report)
+    worker = {m.key for m in numbers({"step": 1, "cost_usd": 0.2, "crossing": "none"}, 0, 1,
+                                     skip=("step",))}
+    assert worker == {"cost_usd"}  # the crossing is a word, not a metric
+    summary = {"global": {"cost_usd": 1.5, "workers_cost_usd": 1.0,
+                          "aggregator_cost_usd": 0.5, "egress_usd": 1.2, "requests_usd": 0.3}}
+    assert cost_totals(summary) == summary["global"]
+    assert cost_totals({}) == {}
