@@ -133,14 +133,14 @@ class Setup:
 
     @property
     def fragment_sizes(self) -> tuple[int, ...]:
-        return self.sizes or split_sizes(self.params, self.fragments)
+        return self.sizes or split_sizes(self.params, self.fragments, self.up.block_size)
 
 
 def split_sizes(n: int, parts: int, block: int = 128) -> tuple[int, ...]:
-    """Fragment sizes with ``split_tensors``: N/P rounded to whole blocks, the rest
-    in the last fragment (so every fragment is within one block of N/P)."""
-    each = n // parts // block * block
-    return (each,) * (parts - 1) + (n - each * (parts - 1),)
+    """Fragment sizes with ``split_tensors``: the flattened model cut at
+    ``floor(i N / P / B) B`` (diloco/fragments.py), so each is N/P to within a block."""
+    cuts = [i * n // parts // block * block for i in range(parts)] + [n]
+    return tuple(b - a for a, b in zip(cuts, cuts[1:], strict=False))
 
 
 def metadata_nbytes(n: int, spec: CodecSpec | None) -> int:

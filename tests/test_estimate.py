@@ -122,3 +122,11 @@ def test_bad_input_is_one_line_and_exit_2(in_process, args, expected):
     assert result.exit_code == 2, result.output
     assert expected in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("fragments", [2, 4])
+def test_split_sizes_are_the_fragments_a_run_cuts(fragments):
+    model = Blocks(width=32)  # 4,417 parameters, so every cut falls inside a tensor
+    cfg = SyncConfig(sync_every=8, fragments=fragments)
+    planned = tuple(f.numel for f in plan_for(model, cfg).fragments)
+    assert ar.split_sizes(sum(planned), fragments, cfg.block_size) == planned
