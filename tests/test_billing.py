@@ -232,7 +232,8 @@ def test_mlflow_gets_the_cost_per_round_per_worker_and_on_the_parent() -> None:
 
     report = {"fragment": 0, "round": 1, "weights": {"a": 1.0}, "cost_usd": 0.5,
               "egress_usd": 0.4, "requests_usd": 0.1, "crossing": "internet"}
-    names = {m.key: m.value for m in round_metrics(report, {}, 0, 3)}
+    schedule = {"fragments": 2, "sync_every": 8}
+    names = {m.key: m.value for m in round_metrics(report, schedule, 0, 3)}
     assert names["cost_usd"] == 0.5 and names["egress_usd"] == 0.4
     assert len(names) == round_size(report)
     worker = {m.key for m in numbers({"step": 1, "cost_usd": 0.2, "crossing": "none"}, 0, 1,
