@@ -29,7 +29,10 @@ def _sync(base: SyncConfig, changes: dict[str, Any]) -> SyncConfig:
     try:
         return SyncConfig(**{**base.model_dump(), **changes})
     except ValidationError as exc:
-        raise fail(str(exc.errors()[0]["msg"]).removeprefix("Value error, ")) from None
+        first = exc.errors()[0]
+        msg = str(first["msg"]).removeprefix("Value error, ")
+        field = ".".join(str(x) for x in first["loc"])
+        raise fail(f"{field}: {msg}" if field else msg) from None
 
 
 def _base(config: str | None, overrides: list[str], params: float | None

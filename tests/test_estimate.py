@@ -112,6 +112,8 @@ def test_contenders_send_less_in_the_order_the_codecs_promise(in_process):
     (["--params", "1e9", "--fragments", "3", "--sync-every", "100"],
      "sync_every (H) must be divisible by fragments (P): H = 100, P = 3"),
     (["--params", "1e9", "--codec-up", "int3"], "codec_up must be one of"),
+    (["--params", "1e9", "--mean-from", "peer"], "mean_from: Input should be 'aggregator'"),
+    (["--params", "1e9", "--sparse-k", "5000"], "k: must be in [1, chunk = 4096]"),
     (["--params", "1e9", "--crossing", "moon"], "crossing: must be one of"),
     (["--params", "1e9", "--provider", "s3", "--worker-provider", "aws"],
      "use --crossing inter-region or none"),
