@@ -130,3 +130,36 @@ def test_manifest_entries_carry_slices_and_check_them():
     bad["params"][0]["slice"] = [0, 10_000]
     with pytest.raises(ValueError, match=r"slice \[0, 10000\] must be"):
         FragmentEntry.model_validate(bad)
+
+
+MICRO = [
+    "model.overrides={d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}",
+    "data.seq_len=16", "data.batch_size=4", "train.steps=8", "sync.sync_every=4",
+    "sync.fragments=2", "sync.overlap=1",
+]
+
+
+@pytest.mark.parametrize("child", [["sync.split_tensors=false"], ["sync.fragments=1"]])
+def test_a_continuation_with_other_fragments_starts_from_the_parents_model(tmp_path, child):
+    """The parent's canonical model is read with the parent's fragments (split at
+    P = 2), then cut the child's way: the child's initial parameters are the parent's
+    model, tensor for tensor."""
+    from workers.config import load_config  # noqa: PLC0415 - the worker layer, only here
+    from workers.data.prepare import prepare_data  # noqa: PLC0415
+    from workers.export import canonical_model  # noqa: PLC0415
+    from workers.runs import continuation, create_run  # noqa: PLC0415
+
+    data_url = str(tmp_path / "data")
+    prepare_data(["builtin:shakespeare/tragedies/*"], data_url, max_bytes=20_000)
+    parent_url = str(tmp_path / "parent")
+    create_run(load_config("tiny", [*MICRO, f"data.dataset={data_url}"]), parent_url)
+    parent = canonical_model(open_exchange(parent_url), 0)  # reassembled from split pieces
+    described = open_exchange(parent_url).manifest.model_dump()["fragments"]
+    assert any("slice" in p for f in described for p in f["params"])
+
+    cfg = continuation(parent_url, child)
+    child_ex = create_run(cfg, str(tmp_path / "child"), init_from=parent_url)
+    model = canonical_model(child_ex, 0).model
+    assert [f.numel for f in child_ex.manifest.fragments] != [f["numel"] for f in described]
+    for name, value in parent.model.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
