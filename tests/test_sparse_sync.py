@@ -31,7 +31,7 @@ def _outer(res, worker: str) -> torch.Tensor:
     return torch.cat([sync.outer_params(p) for p in range(len(sync.plan))])
 
 
-CODECS = ["int4"]
+CODECS = ["int4", "topk2"]
 
 
 @pytest.mark.parametrize("codec", CODECS)
