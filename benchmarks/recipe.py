@@ -66,11 +66,21 @@ MODE_LABELS = {
     "pure-eager": "pure eager (paper's rule)",
 }
 # Error feedback stays at the product default: on for int4 up, off for int8 down.
+# The sparse codecs send the top k = 64 of every 4096 values with 2-bit codes and a
+# decaying error-feedback accumulator (beta 0.95, SparseLoCo); the way down is the
+# aggregator's int8 mean (``topk2``) or each worker summing its peers' contributions
+# (``topk2-peers``).
 CODECS: dict[str, list[str]] = {
     "fp32": ["sync.codec_up=none", "sync.codec_down=none"],
     "int4": ["sync.codec_up=int4", "sync.codec_down=int8"],
+    "topk2": ["sync.codec_up=topk2", "sync.codec_down=int8", "sync.mean_from=aggregator"],
+    "topk2-peers": ["sync.codec_up=topk2", "sync.mean_from=peers"],
+    "topk4-peers": ["sync.codec_up=topk4", "sync.mean_from=peers"],
 }
-CODEC_LABELS = {"fp32": "float32", "int4": "int4 up / int8 down"}
+CODEC_LABELS = {"fp32": "float32", "int4": "int4 up / int8 down",
+                "topk2": "top-64/4096 2-bit up / int8 down",
+                "topk2-peers": "top-64/4096 2-bit up / peers down",
+                "topk4-peers": "top-64/4096 4-bit up / peers down"}
 
 
 # -- data ----------------------------------------------------------------------------

@@ -55,9 +55,10 @@ def setup_of(sync: SyncConfig, params: int, workers: int, steps: int, step_time:
     """The arithmetic's view of a run with this sync config."""
     return ar.Setup(params=params, workers=workers, steps=steps, sync_every=sync.sync_every,
                     fragments=sync.fragments, up=sync.up, down=sync.down,
-                    mean_from=sync.mean_from, overlap=sync.send_offset,
+                    mean_from=sync.way_down, overlap=sync.send_offset,
                     merge_alpha=sync.merge_alpha, momentum=sync.mu > 0,
-                    residual=sync.feedback(sync.codec_down), step_time_s=step_time)
+                    residual=sync.feedback(sync.codec_down) and sync.way_down == "aggregator",
+                    step_time_s=step_time)
 
 
 def rows(s: ar.Setup, mode: str, contenders: bool, provider: str, crossing: str,

@@ -91,10 +91,11 @@ class SyncConfig(BaseModel):
         default="nesterov", description="nesterov: SGD with Nesterov momentum; average: "
         "theta -= outer_lr * mean, no momentum (SparseLoCo; outer_lr default 1)"
     )
-    mean_from: MeanFrom = Field(
-        default="aggregator", description="aggregator: workers read the mean it publishes "
+    mean_from: MeanFrom | None = Field(
+        default=None, description="aggregator: workers read the mean it publishes "
         "(codec_down); peers: the aggregator commits only the weights and each worker "
-        "averages the contributions it names itself (no second rounding, M reads)"
+        "averages the contributions it names itself (no second rounding, M - 1 reads); "
+        "default: peers for a sparse codec_up, else aggregator"
     )
     split_tensors: bool = Field(
         default=True, description="fragments may cut a tensor, so each holds 1/P of the "
@@ -274,6 +275,15 @@ class SyncConfig(BaseModel):
     @property
     def down(self) -> CodecSpec:
         return self._spec(self.codec_down)
+
+    @property
+    def way_down(self) -> MeanFrom:
+        """``mean_from`` in force: as set, else peers for the sparse codecs (M - 1
+        sparse payloads are smaller than one dense mean up to about M = 35, and
+        carry no second rounding), the aggregator's mean otherwise."""
+        if self.mean_from is not None:
+            return self.mean_from
+        return "peers" if self.codec_up in SPARSE_CODECS else "aggregator"
 
     @property
     def beta(self) -> float:

@@ -262,7 +262,10 @@ class Exchange:
     def from_peers(self) -> bool:
         """Whether means are summed by their readers from the contributions they name
         (``sync.mean_from: peers``) rather than published as payloads."""
-        return self.manifest.sync.get("mean_from") == "peers"
+        chosen = self.manifest.sync.get("mean_from")
+        if chosen is None:  # SyncConfig.way_down's default, which storage cannot import
+            return self.up.is_sparse
+        return chosen == "peers"
 
     def fetch_mean(
         self, fragment: int, round: int, known: Mapping[str, np.ndarray] | None = None

@@ -139,3 +139,13 @@ def test_a_worker_resumes_exactly_with_a_decayed_accumulator(codec):
     for w in ("w0", "w1"):
         assert plain.traces[w].losses == resumed.traces[w].losses
         assert torch.equal(_outer(plain, w), _outer(resumed, w))
+
+
+def test_the_sparse_codecs_take_the_peers_way_down_unless_told_otherwise():
+    assert SyncConfig(codec_up="topk2").way_down == "peers"
+    assert SyncConfig(codec_up="int4").way_down == "aggregator"
+    assert SyncConfig(codec_up="topk4", mean_from="aggregator").way_down == "aggregator"
+    cfg = SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1,
+                     codec_up="topk2", sparse_chunk=64, sparse_k=8)
+    res = train_replicas(url(), Blocks, data, cfg, total_steps=4, inner_lr=0.05)
+    assert res.aggregator.exchange.mean_commit(0, 0)["mean_from"] == "peers"
