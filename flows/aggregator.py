@@ -160,8 +160,9 @@ def run_aggregator_job(
                "participants_total": 0, "expected_total": 0}
     if previous.get("rounds_by_worker"):
         counted.update({k: previous[k] for k in counted if k in previous})
-    # the bytes it moves, cumulative across restarts like the workers' (their counters
-    # are in their checkpoints); its canonical checkpoints apart, as they are most of it
+    # the bytes it moves, cumulative across restarts like the workers' (each life adds
+    # what the previous status recorded); its canonical checkpoints apart, as they are
+    # most of it
     moved_before = {k: int(previous.get(k) or 0) for k in TRAFFIC_KEYS}
     # its bill: the exchange's and the status board's requests and bytes, cumulative too
     meter = party_meter(cfg, NAME, [exchange.store], board)

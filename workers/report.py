@@ -49,6 +49,13 @@ def party_meter(cfg: RunConfig, party: str, stores: Sequence[ObjectStore],
     return cfg.billing.meter([s.traffic for s in [*stores, board.store]], party, before)
 
 
+def moved_before(board: StatusBoard) -> tuple[int, int]:
+    """The exchange bytes (up, down) a party's previous lives recorded in its status,
+    which a restarted party adds its own to, as the aggregator does."""
+    before = read_status(board.store, board.name) or {}
+    return int(before.get("bytes_up") or 0), int(before.get("bytes_down") or 0)
+
+
 def price_basis(config: dict[str, Any] | None) -> dict[str, Any]:
     """What a run's bill rests on, from its config: the store's region, each
     configured party's, and the date and source of the list prices of every provider

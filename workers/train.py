@@ -199,6 +199,7 @@ class WorkerLoop:
             ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-status"),
             worker, background=True, renew_s=max(0.5, self.cfg.sync.lease_s / 4))
         self.meter = report.party_meter(self.cfg, worker, [self.store, self.ckpt_store], self.status)
+        self.moved_before = report.moved_before(self.status)  # a restart's bytes add on
         self.worker = worker
         self.sync: Synchronizer | None = None
         self.step, self.tokens, self.from_step = 0, 0, 0
@@ -440,20 +441,14 @@ class WorkerLoop:
 
     def _result(self, start: float, losses: list[float], eval_loss: float | None,
                 state: str = "finished") -> WorkerResult:
-        traffic = self.store.traffic
+        up, down = self.moved()
         return WorkerResult(
-            worker=self.worker,
-            steps=self.step,
-            tokens=self.tokens,
+            worker=self.worker, steps=self.step, tokens=self.tokens,
             seconds=time.perf_counter() - start,
-            final_loss=losses[-1] if losses else float("nan"),
-            eval_loss=eval_loss,
+            final_loss=losses[-1] if losses else float("nan"), eval_loss=eval_loss,
             wait_seconds=self.sync.stats.wait_seconds if self.sync else 0.0,
-            bytes_up=traffic.bytes_up,
-            bytes_down=traffic.bytes_down,
-            resumed_from=self.resumed_from,
-            losses=losses,
-            state=state,
+            bytes_up=up, bytes_down=down, resumed_from=self.resumed_from,
+            losses=losses, state=state,
             rebases=self.sync.stats.rebases if self.sync else 0,
         )
 
@@ -472,10 +467,10 @@ class WorkerLoop:
     def _status(self, state: str, force: bool = False, **fields: Any) -> None:
         if self.status is None:
             return
-        t, bill = self.store.traffic, self.meter.figures()  # exchange bytes; the bill: all
+        (up, down), bill = self.moved(), self.meter.figures()  # exchange bytes; the bill: all
         self.status.update(
             state, force=force, step=self.step, total_steps=self.cfg.train.steps,
-            tokens=self.tokens, bytes_up=t.bytes_up, bytes_down=t.bytes_down, **bill,
+            tokens=self.tokens, bytes_up=up, bytes_down=down, **bill,
             wait_s=self.sync.stats.wait_seconds if self.sync else 0.0,
             from_step=self.from_step, slot=getattr(getattr(self, "seat", None), "slot", None),
             rebases=self.sync.stats.rebases if self.sync else 0, **fields,
@@ -485,7 +480,7 @@ class WorkerLoop:
         m: dict[str, Any] = {
             "worker": self.worker, "step": step, "loss": loss, "lr": lr,
             "tokens_per_s": tokens_per_s, "tokens": self.tokens, **self.meter.figures(),
-            "bytes_up": self.store.traffic.bytes_up, "bytes_down": self.store.traffic.bytes_down,
+            **dict(zip(("bytes_up", "bytes_down"), self.moved(), strict=True)),
         }
         if self.sync is not None:
             st = self.sync.stats
@@ -493,6 +488,11 @@ class WorkerLoop:
             m["staleness"] = (sum(st.staleness) / len(st.staleness)) if st.staleness else 0.0
             m["late_means"] = st.late_means
         self.metrics(m)
+
+    def moved(self) -> tuple[int, int]:
+        """Exchange bytes up and down over every life of this worker (not checkpoints)."""
+        t, (up, down) = self.store.traffic, self.moved_before
+        return up + t.bytes_up, down + t.bytes_down
 
     def close(self) -> None:
         if self.sync is not None:
