@@ -1,9 +1,9 @@
 """Traffic: bytes each worker sends and receives per inner step, against data-parallel.
 
     .venv/bin/python -m benchmarks.bench_traffic [--sync-every 100] [--fragments 1,2,4] \\
-        [--steps 300] [--dp-netns auto]
+        [--codecs int4,topk2-peers] [--workers 2,4] [--steps 300] [--dp-netns auto]
 
-DiLoCo contenders (M = 2, the quality recipe's model) train through a real S3
+DiLoCo contenders (M workers, the quality recipe's model) train through a real S3
 server (moto on loopback). Each worker reaches it through its own counting TCP
 proxy, so three counts are taken per worker:
 
@@ -27,6 +27,10 @@ data-parallel ranks in their own network namespaces, Ethernet bytes on their vet
 
 The peak payload per sync is the largest delta a worker uploads in one fragment
 round (zarr array and its metadata, plus the commit record in the round's bytes).
+
+Every contender's steady-state bytes are also computed by ``diloco.arithmetic`` (the
+figures ``diloco estimate`` prints) from the run's own fragment sizes, and the table
+says how far the measurement is from it.
 """
 
 from __future__ import annotations
@@ -117,8 +121,25 @@ class CountingProxy:
 
 def dp_arithmetic(num_parameters: int, workers: int) -> dict[str, float]:
     """fp32 ring all-reduce: 2 (M-1)/M x 32 bits per parameter each way per step."""
-    each_way = 2 * (workers - 1) / workers * 4 * num_parameters
+    from diloco.arithmetic import data_parallel_per_step  # noqa: PLC0415
+
+    each_way = data_parallel_per_step(num_parameters, workers)
     return {"up": each_way, "down": each_way}
+
+
+def expected_per_step(cfg: Any, num_parameters: int) -> dict[str, float]:
+    """``diloco.arithmetic``'s steady state for this run: bytes per worker per step
+    (fragments cut as ``split_tensors`` cuts them)."""
+    from diloco import arithmetic as ar  # noqa: PLC0415
+
+    sync = cfg.sync
+    s = ar.Setup(params=num_parameters, workers=len(cfg.workers), steps=cfg.train.steps,
+                 sync_every=sync.sync_every, fragments=sync.fragments, up=sync.up,
+                 down=sync.down, mean_from=sync.way_down, overlap=sync.send_offset,
+                 merge_alpha=sync.merge_alpha, momentum=sync.mu > 0,
+                 residual=sync.feedback(sync.codec_down) and sync.way_down == "aggregator")
+    w = ar.per_round(s)["worker"]
+    return {"bytes_up": w.up / sync.sync_every, "bytes_down": w.down / sync.sync_every}
 
 
 def steady_state(worker: dict[str, Any], rounds: list[int], sync_every: int,
@@ -164,6 +185,9 @@ def measure_contender(c: Contender, base: list[str], server: MotoS3Server,
         requests = t["total"]["requests"] + status["requests"]
         wire_total = wire[w]["up"] + wire[w]["down"]
         overhead = (wire_total - bodies) / max(1, requests)
+        # the part of it that goes up (request lines and headers): what an upload costs
+        overhead_up = (wire[w]["up"] - t["total"]["bytes_up"] - status["bytes_up"]) \
+            / max(1, requests)
         steady = steady_state(res, out.rounds, cfg.sync.sync_every, final)
         peak_up = max(t["delta_payload_bytes"].values(), default=0)
         peak_down = max(t["mean_payload_bytes"].values(), default=0)
@@ -176,11 +200,13 @@ def measure_contender(c: Contender, base: list[str], server: MotoS3Server,
             "run_all_bodies_per_step": bodies / steps,
             "run_wire_per_step": wire_total / steps,
             "wire": wire[w], "http_overhead_per_request": overhead,
+            "http_overhead_up_per_request": overhead_up,
             "requests": requests, "status": status,
             "peak_delta_payload": peak_up, "peak_mean_payload": peak_down,
             "traffic": t,
         }
-    return {"contender": c.name, "mode": c.mode, "codec": c.codec,
+    return {"contender": c.name, "mode": c.mode, "codec": c.codec, "M": c.workers,
+            "expected_per_step": expected_per_step(cfg, out.num_parameters),
             "sync_every": cfg.sync.sync_every, "fragments": cfg.sync.fragments,
             "steps": steps, "rounds": out.rounds, "final_round": final,
             "eval_loss": out.eval_loss, "seconds": out.seconds,
@@ -204,11 +230,12 @@ def measure_dp_netns(base: list[str], steps: int, workers: int) -> dict[str, Any
 def run(args: argparse.Namespace) -> dict[str, Any]:
     data = ensure_dataset(args.data)
     base = reference_overrides(args.steps, data)
-    list_ = [Contender(args.mode, "int4", 2, args.sync_every,
-                         fragments=int(p)) for p in args.fragments.split(",") if p]
+    fragments = [int(p) for p in args.fragments.split(",") if p]
+    list_ = [Contender(args.mode, codec, int(m), args.sync_every, fragments=p)
+             for m in args.workers.split(",") if m
+             for codec in args.codecs.split(",") if codec for p in fragments]
     if args.fp32:
-        list_.append(Contender(args.mode, "fp32", 2, args.sync_every,
-                                 fragments=int(args.fragments.split(",")[0])))
+        list_.append(Contender(args.mode, "fp32", 2, args.sync_every, fragments=fragments[0]))
     rows = []
     with MotoS3Server() as server, Workdir("traffic") as wd:
         for c in list_:
@@ -216,6 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(measure_contender(c, base, server, wd, args.mlflow))
     n = rows[0]["num_parameters"]
     dp = dp_arithmetic(n, 2)
+    dp_by_m = {str(m): dp_arithmetic(n, m) for m in sorted({r["M"] for r in rows})}
     dp_measured = None
     if args.dp_netns != "off":
         try:
@@ -224,49 +252,60 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log.warning("data-parallel in namespaces failed: %s", exc)
         if dp_measured is None and args.dp_netns == "on":
             raise SystemExit("--dp-netns on: namespaces are not available here")
-    return {"rows": rows, "dp_arithmetic_per_step": dp, "dp_measured": dp_measured}
+    return {"rows": rows, "dp_arithmetic_per_step": dp, "dp_by_workers": dp_by_m,
+            "dp_measured": dp_measured}
 
 
 def markdown(report: dict[str, Any]) -> str:
     res, env = report["results"], report["environment"]
     dp = res["dp_arithmetic_per_step"]
-    dp_total = dp["up"] + dp["down"]
     dpm = res["dp_measured"]
     n = res["rows"][0]["num_parameters"] if res["rows"] else 0
+    by_m = res.get("dp_by_workers") or {"2": dp}
     lines = [f"Traffic per worker per inner step ({env['date'][:10]}; `{env['command']}`)", "",
-             f"M = 2, {n:,} parameters. Data-parallel, fp32 ring all-reduce "
-             f"(arithmetic): {dp['up'] / 1e6:.3f} MB up + {dp['down'] / 1e6:.3f} MB down per "
-             "step."]
+             f"{n:,} parameters. Data-parallel, fp32 ring all-reduce (arithmetic), each way "
+             "per step: " + ", ".join(f"{v['up'] / 1e6:.3f} MB at M = {m}"
+                                      for m, v in by_m.items()) + "."]
     if dpm:
         w = dpm["wire_bytes_per_step"]
         lines.append(f"Data-parallel measured on the wire (Ethernet frames on each rank's "
                      f"veth, {dpm['steps']} steps, gloo plus the status object): "
                      f"{w['up'] / 1e6:.3f} MB up + {w['down'] / 1e6:.3f} MB down per step.")
-    lines += ["", "Steady state (scheduled rounds, per step, up + down, mean of the two "
-              "workers); \"less than DP\" divides data-parallel's arithmetic by it:", ""]
-    head = ["contender", "exchange bodies / step", "less than DP", "with HTTP overhead",
-            "less than DP", "peak delta / sync", "peak cut", "peak mean / sync"]
+    lines += ["", "Steady state (scheduled rounds, per worker per step, mean of the "
+              "workers). Upload is what the sparse codecs cut: \"less than DP\" divides "
+              "data-parallel's upload at the same M (arithmetic) by it, bodies alone and "
+              "with the HTTP overhead; \"estimate\" is how far the measured bodies (up + "
+              "down) are from `diloco estimate`'s arithmetic:", ""]
+    head = ["contender", "M", "up bodies / step", "less than DP", "up with HTTP",
+            "less than DP", "up + down bodies", "estimate", "peak delta / sync", "peak cut"]
     table = []
-    p1 = [r for r in res["rows"] if r["fragments"] == 1 and r["codec"] == "int4"]
-    p1_peak = max((w["peak_delta_payload"] for w in p1[0]["workers"].values()), default=0) \
-        if p1 else 0
     for r in res["rows"]:
         ws = list(r["workers"].values())
+        m = r.get("M", 2)
+        dp_up = res.get("dp_by_workers", {}).get(str(m), dp)["up"]
+        up = sum(w["steady_bodies_per_step"]["bytes_up"] for w in ws) / len(ws)
         body = sum(w["steady_bodies_per_step"]["bytes_up"]
                    + w["steady_bodies_per_step"]["bytes_down"] for w in ws) / len(ws)
-        wire = sum(w["steady_wire_per_step_estimate"] for w in ws) / len(ws)
+        up_wire = sum(w["steady_bodies_per_step"]["bytes_up"]
+                      + w.get("http_overhead_up_per_request", 0.0)
+                      * w["steady_bodies_per_step"]["requests"] for w in ws) / len(ws)
         peak = max(w["peak_delta_payload"] for w in ws)
+        whole = [q for q in res["rows"] if q["fragments"] == 1 and q["codec"] == r["codec"]
+                 and q.get("M", 2) == m]
+        p1_peak = max(w["peak_delta_payload"] for w in whole[0]["workers"].values()) \
+            if whole else 0
+        e = r.get("expected_per_step")
+        off = f"{body / (e['bytes_up'] + e['bytes_down']) - 1:+.1%}" if e else ""
         table.append([
             f"{MODE_LABELS[r['mode']]}, {CODEC_LABELS[r['codec']]}, H={r['sync_every']}, "
-            f"P={r['fragments']}",
-            f"{body / 1e3:.2f} kB", f"{dp_total / body:.0f}x", f"{wire / 1e3:.2f} kB",
-            f"{dp_total / wire:.0f}x", f"{peak:,} B",
-            f"{p1_peak / peak:.2f}x" if p1_peak else "",
-            f"{max(w['peak_mean_payload'] for w in ws):,} B"])
+            f"P={r['fragments']}", m,
+            f"{up / 1e3:.3f} kB", f"{dp_up / up:,.0f}x", f"{up_wire / 1e3:.3f} kB",
+            f"{dp_up / up_wire:,.0f}x", f"{body / 1e3:.2f} kB", off, f"{peak:,} B",
+            f"{p1_peak / peak:.2f}x" if p1_peak else ""])
     lines.append(md_table(head, table))
     lines += ["", "Whole run (all rounds, the final one included, per step, mean of the "
               "two workers):", ""]
-    head = ["contender", "steps", "rounds / fragment", "exchange bodies", "all bodies",
+    head = ["contender", "M", "steps", "rounds / fragment", "exchange bodies", "all bodies",
             "HTTP wire", "requests", "HTTP overhead / request"]
     table = []
     for r in res["rows"]:
@@ -277,7 +316,7 @@ def markdown(report: dict[str, Any]) -> str:
 
         table.append([
             f"{MODE_LABELS[r['mode']]}, {CODEC_LABELS[r['codec']]}, P={r['fragments']}",
-            r["steps"], "/".join(str(x) for x in r["rounds"]),
+            r.get("M", 2), r["steps"], "/".join(str(x) for x in r["rounds"]),
             f"{mean('run_exchange_bodies_per_step') / 1e3:.1f} kB",
             f"{mean('run_all_bodies_per_step') / 1e3:.1f} kB",
             f"{mean('run_wire_per_step') / 1e3:.1f} kB", f"{mean('requests'):.0f}",
@@ -294,7 +333,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmarks.bench_traffic",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--sync-every", type=int, default=100, help="H")
-    p.add_argument("--fragments", default="1,2,4", help="values of P (int4 up / int8 down)")
+    p.add_argument("--fragments", default="1,2,4", help="values of P")
+    p.add_argument("--codecs", default="int4,topk2-peers",
+                   help="codec pairs of benchmarks/recipe.py, each at every P")
+    p.add_argument("--workers", default="2,4", help="values of M")
     p.add_argument("--mode", default="streaming", choices=list(MODES))
     p.add_argument("--fp32", action="store_true", help="also the first P with float32")
     p.add_argument("--steps", type=int, default=300)
