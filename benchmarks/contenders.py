@@ -79,7 +79,8 @@ class Contender:
         out = [f"workers={workers}", f"name=bench-{self.slug}"[:60]]
         if self.mode == "data-parallel":
             return [*out, "train.strategy=data_parallel", *self.extra]
-        out += [*MODES[self.mode], *CODECS[self.codec], f"sync.sync_every={self.sync_every}"]
+        # a codec pair may set its own H (the sparse ones sync more often): it comes last
+        out += [*MODES[self.mode], f"sync.sync_every={self.sync_every}", *CODECS[self.codec]]
         if self.fragments is not None:
             out.append(f"sync.fragments={self.fragments}")
         if self.outer_lr is not None:
