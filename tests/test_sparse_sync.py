@@ -149,3 +149,23 @@ def test_the_sparse_codecs_take_the_peers_way_down_unless_told_otherwise():
                      codec_up="topk2", sparse_chunk=64, sparse_k=8)
     res = train_replicas(url(), Blocks, data, cfg, total_steps=4, inner_lr=0.05)
     assert res.aggregator.exchange.mean_commit(0, 0)["mean_from"] == "peers"
+
+
+@pytest.mark.parametrize("mean_from", ["aggregator", "peers"])
+def test_gc_keeps_the_contributions_a_peers_mean_is_made_of(mean_from):
+    """A finished run's contributions beyond the retention go, unless the means are
+    sums of them (peers): then they are the means and stay, and every round's mean
+    still reads back."""
+    from workers import gc  # noqa: PLC0415
+
+    cfg = SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1,
+                     codec_up="topk2", mean_from=mean_from, sparse_chunk=64, sparse_k=8)
+    res = train_replicas(url(), Blocks, data, cfg, total_steps=8, inner_lr=0.05)
+    ex = res.aggregator.exchange
+    todo = gc.plan(ex, contributions=0, finished=True)
+    dropped = {d.kind for d in todo.deletions}
+    assert ("contributions" in dropped) == (mean_from == "aggregator")
+    gc.collect(ex, todo)
+    for p in range(2):
+        for r in range(ex.manifest.rounds[p]):
+            assert ex.fetch_mean(p, r) is not None
