@@ -39,17 +39,20 @@ MAX_CHUNK = 1 << 26
 
 
 def _chunks(shape: tuple[int, ...], spec: CodecSpec | None) -> tuple[int, ...]:
-    """One zarr chunk up to MAX_CHUNK values; above, chunks of whole codec blocks
-    (whole sparse chunks for topk*), so the block grid is the one-chunk grid. zarr pads
-    the last chunk with zeros, which changes nothing for the dense codecs; a sparse
-    last chunk shorter than C then keeps k entries (zeros too) instead of min(k, L)."""
+    """One zarr chunk up to MAX_CHUNK values; above, the fewest chunks of at most
+    about MAX_CHUNK values that split n evenly in whole codec blocks (whole sparse
+    chunks for topk*), so the block grid is the one-chunk grid and zarr's padding of
+    the last chunk is under one block per chunk (a 250M-value fragment is 4 chunks
+    of 62.5M, not 4 of 67.1M). The padding changes nothing for the dense codecs; a
+    sparse last chunk shorter than C then keeps k entries (zeros too), not min(k, L)."""
     if len(shape) != 1 or shape[0] <= MAX_CHUNK:
         return tuple(max(1, d) for d in shape) if shape else ()
     if spec is None:
         b = 1
     else:
         b = spec.chunk if spec.is_sparse else spec.block_size
-    return (b * math.ceil(MAX_CHUNK / b),)
+    parts = math.ceil(shape[0] / MAX_CHUNK)
+    return (b * math.ceil(math.ceil(shape[0] / parts) / b),)
 
 
 def _zarr_array(objects: dict, shape: tuple[int, ...], dtype: np.dtype,

@@ -11,7 +11,7 @@ from cli.app import app
 from diloco import arithmetic as ar
 from diloco.config import SyncConfig
 from diloco.run import plan_for
-from storage.codecs import CodecSpec
+from storage.codecs import CodecSpec, encoded_nbytes
 from tests.replicas import Blocks, data, train_replicas
 
 
@@ -132,3 +132,14 @@ def test_split_sizes_are_the_fragments_a_run_cuts(fragments):
     cfg = SyncConfig(sync_every=8, fragments=fragments)
     planned = tuple(f.numel for f in plan_for(model, cfg).fragments)
     assert ar.split_sizes(sum(planned), fragments, cfg.block_size) == planned
+
+
+def test_a_large_fragment_is_cut_evenly_so_zarr_pads_little():
+    """250M values (a 1B model's fragment at P = 4) are 4 chunks of 62.5M, not 4 of
+    2^26 with a mostly padded last one: the bytes stored are within a block per chunk
+    of the payload's own."""
+    n = 250_000_000
+    nbytes, objects = ar.array_traffic(n, CodecSpec("int4"))
+    assert objects == 5
+    payload = encoded_nbytes(n, CodecSpec("int4"))
+    assert payload < nbytes - ar.metadata_nbytes(n, CodecSpec("int4")) < payload * 1.0001
