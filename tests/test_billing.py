@@ -243,3 +243,17 @@ def test_mlflow_gets_the_cost_per_round_per_worker_and_on_the_parent() -> None:
                           "aggregator_cost_usd": 0.5, "egress_usd": 1.2, "requests_usd": 0.3}}
     assert cost_totals(summary) == summary["global"]
     assert cost_totals({}) == {}
+
+
+def test_a_run_with_no_prices_says_how_to_price_it():
+    from workers.report import cost_line  # noqa: PLC0415
+
+    cost = {"total_usd": 0.0, "workers_usd": 0.0, "aggregator_usd": 0.0, "egress_usd": 0.0,
+            "requests_usd": 0.0, "store": "other:local", "parties": {"w0": {"crossing": "none"}},
+            "prices": {"other": {"read": "-", "source": "on-premises"}}}
+    text = " ".join(cost_line(cost))
+    assert "not priced" in text and "billing.store" in text
+    cost["prices"] = {"aws": {"read": "2026-11-25", "source": "x"},
+                      "other": {"read": "-", "source": "y"}}
+    text = " ".join(cost_line(cost))
+    assert "aws list prices read 2026-11-25" in text and "other list prices" not in text

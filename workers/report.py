@@ -99,8 +99,12 @@ def usd(value: float | None) -> str:
 def cost_line(cost: dict[str, Any]) -> list[str]:
     """The run's bill so far, who paid it and over which crossing, and the prices
     it rests on: the parts of one line (`cli.progress.packed` breaks it)."""
+    if set(cost["prices"]) <= {"other"}:  # nothing priced: say how to price it
+        return ["cost: not priced (store and parties are in other:local; set billing.store",
+                "and billing.regions to the clouds the run uses to see its egress bill)"]
     crossings = [f"{n} {c['crossing']}," for n, c in cost["parties"].items()]
-    prices = [f"{n} list prices read {p['read']}," for n, p in cost["prices"].items()]
+    prices = [f"{n} list prices read {p['read']}," for n, p in cost["prices"].items()
+              if n != "other"]
     if prices:
         prices[-1] = prices[-1].rstrip(",")
     return [f"cost: {usd(cost['total_usd'])} so far", f"(workers {usd(cost['workers_usd'])},",
