@@ -169,3 +169,15 @@ def test_gc_keeps_the_contributions_a_peers_mean_is_made_of(mean_from):
     for p in range(2):
         for r in range(ex.manifest.rounds[p]):
             assert ex.fetch_mean(p, r) is not None
+
+
+def test_eager_with_a_peers_mean_applies_every_contribution_once():
+    """Adaptive eager, top-k up, peers way down, averaged step: whichever means came
+    late, after finish() every worker's outer parameters equal the canonical model's
+    (each contribution applied exactly once, with the sum the aggregator made)."""
+    cfg = SyncConfig(mode="eager", overlap=1, alpha=0.5, sync_every=4, fragments=2,
+                     codec_up="topk2", sparse_chunk=64, sparse_k=8, outer_step="average")
+    res = train_replicas(url(), Blocks, data, cfg, total_steps=16, inner_lr=0.05)
+    canonical = torch.cat([res.aggregator.canonical(p) for p in range(2)])
+    for w in ("w0", "w1"):
+        torch.testing.assert_close(_outer(res, w), canonical, rtol=1e-5, atol=1e-6)
