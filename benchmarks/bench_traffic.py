@@ -132,14 +132,9 @@ def expected_per_step(cfg: Any, num_parameters: int) -> dict[str, float]:
     (fragments cut as ``split_tensors`` cuts them)."""
     from diloco import arithmetic as ar  # noqa: PLC0415
 
-    sync = cfg.sync
-    s = ar.Setup(params=num_parameters, workers=len(cfg.workers), steps=cfg.train.steps,
-                 sync_every=sync.sync_every, fragments=sync.fragments, up=sync.up,
-                 down=sync.down, mean_from=sync.way_down, overlap=sync.send_offset,
-                 merge_alpha=sync.merge_alpha, momentum=sync.mu > 0,
-                 residual=sync.feedback(sync.codec_down) and sync.way_down == "aggregator")
-    w = ar.per_round(s)["worker"]
-    return {"bytes_up": w.up / sync.sync_every, "bytes_down": w.down / sync.sync_every}
+    s = ar.Setup.of(cfg.sync, num_parameters, len(cfg.workers), cfg.train.steps)
+    w, h = ar.per_round(s)["worker"], cfg.sync.sync_every
+    return {"bytes_up": w.up / h, "bytes_down": w.down / h}
 
 
 def steady_state(worker: dict[str, Any], rounds: list[int], sync_every: int,

@@ -50,17 +50,6 @@ def _base(config: str | None, overrides: list[str], params: float | None
     return n, cfg.sync, len(cfg.workers), cfg.train.steps
 
 
-def setup_of(sync: SyncConfig, params: int, workers: int, steps: int, step_time: float
-             ) -> ar.Setup:
-    """The arithmetic's view of a run with this sync config."""
-    return ar.Setup(params=params, workers=workers, steps=steps, sync_every=sync.sync_every,
-                    fragments=sync.fragments, up=sync.up, down=sync.down,
-                    mean_from=sync.way_down, overlap=sync.send_offset,
-                    merge_alpha=sync.merge_alpha, momentum=sync.mu > 0,
-                    residual=sync.feedback(sync.codec_down) and sync.way_down == "aggregator",
-                    step_time_s=step_time)
-
-
 def rows(s: ar.Setup, mode: str, contenders: bool, provider: str, crossing: str,
          worker_provider: str) -> list[dict[str, Any]]:
     """One row per contender (data-parallel first) for the store at ``provider``."""
@@ -155,7 +144,7 @@ def estimate(
     n = int(params) if params is not None else counted
     if n < 1:
         raise fail(f"--params: must be >= 1, got {params}")
-    s = setup_of(sync, n, workers or m, steps or t, step_time)
+    s = ar.Setup.of(sync, n, workers or m, steps or t, step_time)
     try:
         found = {p: rows(s, sync.mode, contenders, p, crossing, worker_provider)
                  for p in providers or DEFAULT_PROVIDERS}

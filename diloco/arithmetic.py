@@ -52,8 +52,8 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
+from diloco.config import MeanFrom, SyncConfig
 from storage.arrays import _chunks, _metadata
 from storage.codecs import CodecSpec, encoded_nbytes
 
@@ -66,8 +66,6 @@ _NONCE = "0123456789abcdef"
 _SHA = "0" * 64
 _CREATED = "2026-01-01T00:00:00.000000+00:00"
 _NORM = 0.12345678901234567
-
-MeanFrom = Literal["aggregator", "peers"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +132,19 @@ class Setup:
     @property
     def fragment_sizes(self) -> tuple[int, ...]:
         return self.sizes or split_sizes(self.params, self.fragments, self.up.block_size)
+
+    @classmethod
+    def of(cls, sync: SyncConfig, params: int, workers: int, steps: int,
+           step_time_s: float = 1.0, **more: object) -> Setup:
+        """A run with this sync config: the codecs, way down, overlap and what the
+        aggregator checkpoints as the config decides them (``diloco estimate`` and the
+        traffic benchmark both start here)."""
+        return cls(params=params, workers=workers, steps=steps, sync_every=sync.sync_every,
+                   fragments=sync.fragments, up=sync.up, down=sync.down,
+                   mean_from=sync.way_down, overlap=sync.send_offset,
+                   merge_alpha=sync.merge_alpha, momentum=sync.mu > 0,
+                   residual=sync.feedback(sync.codec_down) and sync.way_down == "aggregator",
+                   step_time_s=step_time_s, **more)
 
 
 def split_sizes(n: int, parts: int, block: int = 128) -> tuple[int, ...]:
