@@ -159,8 +159,8 @@ def test_counting_proxy_counts_both_ways():
                 got += c.recv(1 << 16)
         t.join(5)
         deadline = threading.Event()
-        for _ in range(50):
-            if proxy.counts()["down"] == 3000:
+        for _ in range(100):  # each pump counts after forwarding: wait for both
+            if proxy.counts()["down"] == 3000 and proxy.counts()["up"] == 1000:
                 break
             deadline.wait(0.05)
         assert proxy.counts() == {"up": 1000, "down": 3000, "connections": 1}
