@@ -20,6 +20,7 @@ model does not match the run fails with a message naming the parameter.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,10 +40,7 @@ class ParamSpec:
     @property
     def size(self) -> int:
         """Values in the whole parameter."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def end(self) -> int:

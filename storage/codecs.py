@@ -82,6 +82,7 @@ from storage.quantizers import (
     encode_chunk,
 )
 from storage.sparse import accumulate, kept
+from storage.sparse import as_input as _as_input
 
 __all__ = [
     "CODEC_NAMES", "DENSE_CODECS", "SPARSE_CODECS", "CodecSpec", "accumulate", "decode",
@@ -209,15 +210,6 @@ def stable_seed(*parts: str | int) -> int:
 def _chunk_elems(spec: CodecSpec) -> int:
     b = spec.block_size
     return max(b, _CHUNK // b * b)
-
-
-def _as_input(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x)
-    if x.dtype.kind != "f" or x.dtype.itemsize != 4:
-        raise TypeError(f"encode: expected float32 values, got {x.dtype}")
-    if x.ndim != 1:
-        raise ValueError(f"encode: expected a 1-D array, got shape {x.shape}")
-    return np.ascontiguousarray(x, dtype=np.float32)
 
 
 def _code_span(spec: CodecSpec, start: int, count: int) -> tuple[int, int]:

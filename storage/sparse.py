@@ -165,15 +165,21 @@ def _pad_is_clear(stream: np.ndarray, used_bits: int) -> bool:
 # ----------------------------------------------------------------------------- encode
 
 
-def _as_input(x: np.ndarray) -> np.ndarray:
+def as_input(x: np.ndarray, max_values: int | None = None) -> np.ndarray:
+    """``x`` as a C-contiguous 1-D float32 array, or the error naming what is wrong:
+    every codec's input check (storage/codecs.py uses it too)."""
     x = np.asarray(x)
     if x.dtype.kind != "f" or x.dtype.itemsize != 4:
         raise TypeError(f"encode: expected float32 values, got {x.dtype}")
     if x.ndim != 1:
         raise ValueError(f"encode: expected a 1-D array, got shape {x.shape}")
-    if x.size >= 1 << 32:
+    if max_values is not None and x.size >= max_values:
         raise ValueError(f"encode: a sparse payload holds fewer than 2**32 values, got {x.size}")
     return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def _as_input(x: np.ndarray) -> np.ndarray:
+    return as_input(x, 1 << 32)  # the header counts values in uint32
 
 
 def _select_rows(rows: np.ndarray, k: int, scratch: np.ndarray) -> tuple[np.ndarray, ...]:

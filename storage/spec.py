@@ -8,6 +8,7 @@ has, and the user's whole configuration (opaque to the storage layer).
 from __future__ import annotations
 
 import json
+import math
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -55,10 +56,7 @@ class ParamEntry(BaseModel):
 
     @property
     def size(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def numel(self) -> int:
