@@ -8,11 +8,12 @@ Notation: N parameters, M workers, T inner steps, H steps between two syncs of a
 fragment, P fragments of n_p values each, t seconds per inner step, tau overlap.
 
 **Objects.** A coded vector of n values is a zarr array: ``zarr.json`` (exact bytes
-from storage/arrays.py) and ``ceil(n / c)`` chunk objects of ``encoded_nbytes(c) + 4``
+from storage/arrays.py) and ``ceil(n / c)`` chunk objects of ``expected_nbytes(c) + 4``
 bytes (payload + crc32c; ``c = n`` up to 2^26 values). Dense payloads:
 ``4n`` (none), ``2n`` (fp16), ``4 ceil(n/B) + n`` (int8), ``4 ceil(n/B) + ceil(n/2)``
-(int4, fp4); sparse ``16 + 8 ceil(n/C) + ceil(12K/8) + ceil(bK/8)`` with K kept
-values (k per chunk of C) and b = 2 (topk2) or 4 (topk4).
+(int4, fp4); sparse ``16 + 8 ceil(n/C) + ceil(bK/8) + ceil(rK/8)`` plus the unary
+quotients of the Rice-coded gaps, their mean for positions spread at random, with K
+kept values (k per chunk of C), b = 2 (topk2) or 4 (topk4), r = floor(log2(C/k)).
 
 **Per fragment round.** A worker uploads ``A_up(n_p) + R_delta`` (array + commit
 record). With ``mean_from: aggregator`` it downloads ``R_mean + A_down(n_p)``; with
@@ -55,7 +56,7 @@ from dataclasses import dataclass, field, replace
 
 from diloco.config import MeanFrom, SyncConfig
 from storage.arrays import _chunks, _metadata
-from storage.codecs import CodecSpec, encoded_nbytes
+from storage.codecs import CodecSpec, expected_nbytes
 
 HTTP_UP = 1300  # bytes of request line and headers per request (measured, see above)
 HTTP_DOWN = 750  # bytes of response line and headers per request
@@ -163,7 +164,7 @@ def array_traffic(n: int, spec: CodecSpec | None) -> tuple[int, int]:
     """(bytes, objects) of a vector stored as a zarr array: metadata + chunks."""
     chunk = _chunks((n,), spec)[0]
     count = -(-n // chunk)
-    body = 4 * chunk if spec is None else encoded_nbytes(chunk, spec)
+    body = 4 * chunk if spec is None else expected_nbytes(chunk, spec)
     return metadata_nbytes(n, spec) + count * (body + 4), 1 + count
 
 

@@ -12,8 +12,9 @@ Codecs (``CodecSpec.name``):
 ``int4``      blockwise absmax, qmax 7, two's complement nibbles.
 ``fp4-e3m0``  blockwise absmax, sign bit and 3-bit index into
               ``{0, 2^-6, 2^-5, 2^-4, 2^-3, 2^-2, 2^-1, 2^0}``.
-``topk2``     sparse: per chunk of C values the k largest |x|, each a 12-bit
-``topk4``     index (C = 4096) and a 2- or 4-bit code on that chunk's [lo, hi].
+``topk2``     sparse: per chunk of C values the k largest |x|, each a Rice-coded
+``topk4``     index gap (about 7.6 bits at 64 of 4096) and a 2- or 4-bit code on
+              that chunk's [lo, hi].
               Pinned in storage/sparse.py's docstring, which ``encode``,
               ``decode``, ``roundtrip`` and ``encoded_nbytes`` dispatch to; its
               ``accumulate`` and ``kept`` (re-exported here) read a payload
@@ -86,7 +87,7 @@ from storage.sparse import as_input as _as_input
 
 __all__ = [
     "CODEC_NAMES", "DENSE_CODECS", "SPARSE_CODECS", "CodecSpec", "accumulate", "decode",
-    "encode", "encoded_nbytes", "kept", "roundtrip", "stable_seed",
+    "encode", "encoded_nbytes", "expected_nbytes", "kept", "roundtrip", "stable_seed",
 ]
 
 CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "int8", "int4", "fp4-e3m0", "topk2", "topk4")
@@ -176,7 +177,8 @@ class CodecSpec:
 
 
 def encoded_nbytes(n: int, spec: CodecSpec) -> int:
-    """Exact payload size for n values, so readers can check a length before decoding."""
+    """Payload size for n values, so readers can check a length before decoding:
+    exact for the dense codecs, the largest a sparse payload may be."""
     if n < 0:
         raise ValueError(f"n: must be >= 0, got {n}")
     if spec.is_sparse:
@@ -188,6 +190,14 @@ def encoded_nbytes(n: int, spec: CodecSpec) -> int:
     nblocks = -(-n // spec.block_size)
     code_bytes = n if spec.name == "int8" else (n + 1) // 2
     return 4 * nblocks + code_bytes
+
+
+def expected_nbytes(n: int, spec: CodecSpec) -> int:
+    """Payload size to plan with: exact for the dense codecs, the mean for the sparse
+    ones (their Rice-coded indices vary a little with the kept positions)."""
+    if spec.is_sparse:
+        return sparse.expected_nbytes(n, spec)
+    return encoded_nbytes(n, spec)
 
 
 def stable_seed(*parts: str | int) -> int:

@@ -24,20 +24,34 @@ topk2, 4 for topk4), ``spec.chunk`` is C, ``spec.k`` is k.
   ``lo = hi = 0`` and decodes to zeros.
 * NaN or Inf in ``x`` raises NonFiniteValues; nothing is sent.
 
+Indices are Rice-coded gaps. Within a chunk the kept indices ``i_0 < i_1 < ...``
+give gaps ``g_0 = i_0`` and ``g_j = i_j - i_(j-1) - 1``; each gap is ``q * 2**r + m``
+with ``r = rice_bits(C, k) = floor(log2(C // k))`` (6 for 64 of 4096), stored as
+``m`` in ``r`` bits and ``q`` in unary. Spread at random, 64 of 4096 take 7.6 bits an
+index (8.4 for 34 of 4096) against 12 for a fixed width, and never more than ``k_c * (r + 1) + floor((L_c - k_c) / 2**r)`` bits a chunk
+(the gaps of a chunk sum to at most ``L_c - k_c``), whatever the positions.
+
 Payload, little-endian::
 
-    header   16 bytes: uint32 n, C, k, b
-    scales   per chunk float32 lo, float32 hi (8 bytes a chunk)
-    indices  all K = sum(k_c) kept indices, ib = max(1, bit_length(C-1)) bits each
-             (12 for C = 4096), one LSB-first bit stream: index i occupies bits
-             [i*ib, (i+1)*ib), bit 0 is the LSB of byte 0; zero-padded to a byte
-    codes    the K value codes, b bits each, packed the same way, zero-padded
+    header     16 bytes: uint32 n, C, k, b
+    scales     per chunk float32 lo, float32 hi (8 bytes a chunk)
+    codes      all K = sum(k_c) value codes, b bits each, one LSB-first bit stream:
+               entry e occupies bits [e*b, (e+1)*b), bit 0 is the LSB of byte 0;
+               zero-padded to a byte
+    remainders the K gap remainders m, r bits each, packed the same way, zero-padded
+    quotients  the K gap quotients q in unary, in entry order: q zero bits then a one
+               bit, one LSB-first bit stream, zero-padded to a byte (the last byte
+               holds the last one bit)
 
-so ``encoded_nbytes(n) = 16 + 8*nchunks + ceil(K*ib/8) + ceil(K*b/8)``; n = 0 is
-the header alone. ``decode`` raises CorruptObject with a one-line message for a
-wrong length, a header field that disagrees with the spec or n, a scale that is
-negative (including -0.0), NaN or Inf or with lo > hi, an index outside its
-chunk, indices not strictly increasing within a chunk, or non-zero pad bits.
+The first four parts have fixed sizes; the quotients take the rest, so a payload
+is between ``fixed_nbytes(n)`` plus one byte (K > 0) and ``encoded_nbytes(n)``, the
+bound above. ``expected_nbytes(n)`` is the mean size for kept positions spread at
+random (gaps geometric), which `diloco estimate` uses. ``decode`` raises
+CorruptObject with a one-line message for a length outside those bounds, a header
+field that disagrees with the spec or n, a scale that is negative (including
+-0.0), NaN or Inf or with lo > hi, a quotient stream that does not hold exactly K
+one bits with fewer than 8 pad bits after the last, an index outside its chunk, or
+non-zero pad bits in the codes or remainders.
 
 Averaging: ``accumulate(payload, n, spec, acc, weight)`` is
 ``acc += decode(payload) * float32(weight)`` touching only the kept positions
@@ -49,9 +63,10 @@ Speed: rows of a ``(chunks, C)`` view are processed in cache-sized blocks: the
 k-th largest magnitude bit pattern of each row comes from ``np.partition``
 (SIMD on x86-64), one compare and ``np.nonzero`` give the kept positions in
 ascending order, and only rows with ties at that threshold take a cumulative
-count to drop the surplus at the highest indices. 12-bit indices pack two in
-three bytes; 1/2/4/8-bit fields by shifts. tests/test_sparse.py holds the plain
-reference and checks the bits.
+count to drop the surplus at the highest indices. 1/2/4/8-bit fields pack by
+shifts, other widths through ``np.packbits``; the unary stream is a zero array
+with ones at ``cumsum(q + 1) - 1``, and decoding it is ``np.flatnonzero`` of the
+unpacked bits. tests/test_sparse.py holds the plain reference and checks the bits.
 """
 
 from __future__ import annotations
@@ -79,9 +94,10 @@ class SparseSpec(Protocol):
     k: int
 
 
-def index_bits(chunk: int) -> int:
-    """Bits per stored index: enough for ``chunk - 1`` (12 for 4096), at least 1."""
-    return max(1, (chunk - 1).bit_length())
+def rice_bits(chunk: int, k: int) -> int:
+    """r, the remainder bits of a Rice-coded gap: ``floor(log2(C // k))``, near the
+    best Rice parameter for gaps of mean C / k (6 for 64 of 4096)."""
+    return max(0, (chunk // max(1, k)).bit_length() - 1)
 
 
 def _counts(n: int, spec: SparseSpec) -> tuple[int, int, int]:
@@ -90,12 +106,39 @@ def _counts(n: int, spec: SparseSpec) -> tuple[int, int, int]:
     return full, tail, full * spec.k + min(spec.k, tail)
 
 
-def encoded_nbytes(n: int, spec: SparseSpec) -> int:
-    """Exact payload size for n values (module docstring), checked before decoding."""
+def fixed_nbytes(n: int, spec: SparseSpec) -> int:
+    """Bytes of everything before the quotient stream: header, scales, codes, remainders."""
     full, tail, kept = _counts(n, spec)
-    nchunks = full + (tail > 0)
-    ib, b = index_bits(spec.chunk), BITS[spec.name]
-    return HEADER_BYTES + 8 * nchunks + -(-kept * ib // 8) + -(-kept * b // 8)
+    r, b = rice_bits(spec.chunk, spec.k), BITS[spec.name]
+    return HEADER_BYTES + 8 * (full + (tail > 0)) + -(-kept * b // 8) + -(-kept * r // 8)
+
+
+def _chunk_lengths(n: int, spec: SparseSpec) -> list[tuple[int, int, int]]:
+    """(count, L_c, k_c) runs: the full chunks, then the partial one."""
+    full, tail, _ = _counts(n, spec)
+    runs = [(full, spec.chunk, spec.k)] if full else []
+    return runs + ([(1, tail, min(spec.k, tail))] if tail else [])
+
+
+def encoded_nbytes(n: int, spec: SparseSpec) -> int:
+    """The largest payload for n values (module docstring): what a reader accepts."""
+    r = rice_bits(spec.chunk, spec.k)
+    unary = sum(count * (kc + ((length - kc) >> r)) for count, length, kc in
+                _chunk_lengths(n, spec))
+    return fixed_nbytes(n, spec) + -(-unary // 8)
+
+
+def expected_nbytes(n: int, spec: SparseSpec) -> int:
+    """Mean payload size when the kept positions of a chunk are spread at random:
+    each gap geometric with ``p = k_c / (L_c + 1)``, so ``q`` is geometric with
+    ``s = (1 - p)**(2**r)`` and ``E[q] = s / (1 - s)``. The arithmetic of
+    `diloco estimate` uses it; clustered positions make payloads smaller."""
+    r = rice_bits(spec.chunk, spec.k)
+    unary = 0.0
+    for count, length, kc in _chunk_lengths(n, spec):
+        s = (1.0 - kc / (length + 1)) ** (1 << r)
+        unary += count * kc * (1.0 + s / (1.0 - s))
+    return fixed_nbytes(n, spec) + round(unary / 8)
 
 
 def _magnitudes(b: int) -> np.ndarray:
@@ -111,17 +154,9 @@ _MAGS = {name: _magnitudes(b) for name, b in BITS.items()}
 def pack_bits(values: np.ndarray, bits: int) -> np.ndarray:
     """``values`` (< 2**bits each) as one LSB-first bit stream, zero-padded to a byte."""
     count = values.size
-    nbytes = -(-count * bits // 8)
     v = values.astype(np.uint32)
-    if bits == 12:  # two indices in three bytes
-        if count % 2:
-            v = np.append(v, np.uint32(0))
-        a, c = v[0::2], v[1::2]
-        out = np.empty((a.size, 3), np.uint8)
-        out[:, 0] = a & 0xFF
-        out[:, 1] = (a >> 8) | ((c & 0xF) << 4)
-        out[:, 2] = c >> 4
-        return out.reshape(-1)[:nbytes]
+    if bits == 0:
+        return np.empty(0, np.uint8)
     if 8 % bits == 0:
         per = 8 // bits
         padded = np.zeros(-(-count // per) * per, np.uint8)
@@ -138,13 +173,8 @@ def pack_bits(values: np.ndarray, bits: int) -> np.ndarray:
 
 def unpack_bits(stream: np.ndarray, count: int, bits: int) -> np.ndarray:
     """Inverse of `pack_bits` (uint32 values); the caller checks the pad bits."""
-    if bits == 12:
-        triples = np.zeros((-(-count // 2), 3), np.uint32)
-        triples.reshape(-1)[: stream.size] = stream
-        out = np.empty(2 * triples.shape[0], np.uint32)
-        out[0::2] = triples[:, 0] | ((triples[:, 1] & 0xF) << 8)
-        out[1::2] = (triples[:, 1] >> 4) | (triples[:, 2] << 4)
-        return out[:count]
+    if bits == 0:
+        return np.zeros(count, np.uint32)
     if 8 % bits == 0:
         per = 8 // bits
         mask = np.uint8((1 << bits) - 1)
@@ -156,6 +186,29 @@ def unpack_bits(stream: np.ndarray, count: int, bits: int) -> np.ndarray:
     return (flat.astype(np.uint32) << np.arange(bits, dtype=np.uint32)).sum(
         axis=1, dtype=np.uint32
     )
+
+
+def pack_unary(q: np.ndarray) -> np.ndarray:
+    """Each ``q`` as q zero bits then a one bit, one LSB-first stream, zero-padded."""
+    if q.size == 0:
+        return np.empty(0, np.uint8)
+    ones = np.cumsum(q.astype(np.int64) + 1) - 1
+    stream = np.zeros(int(ones[-1]) + 1, np.uint8)
+    stream[ones] = 1
+    return np.packbits(stream, bitorder="little")
+
+
+def unpack_unary(stream: np.ndarray, count: int) -> np.ndarray:
+    """Inverse of `pack_unary` (int64 quotients), or CorruptObject if ``stream`` does
+    not hold exactly ``count`` codes with fewer than 8 pad bits after the last."""
+    ones = np.flatnonzero(np.unpackbits(stream, bitorder="little"))
+    if ones.size != count or (count and stream.size != int(ones[-1]) // 8 + 1):
+        end = "none" if ones.size == 0 else f"the last in byte {int(ones[-1]) // 8}"
+        raise CorruptObject(
+            f"decode: the sparse quotient stream of {stream.size} bytes holds {ones.size} "
+            f"codes ({end}); the header's chunks need {count}, ending in its last byte"
+        )
+    return np.diff(ones, prepend=-1) - 1
 
 
 def _pad_is_clear(stream: np.ndarray, used_bits: int) -> bool:
@@ -252,13 +305,16 @@ def _assemble(n: int, spec: SparseSpec, parts: list[tuple[np.ndarray, ...]]) -> 
     scales = np.empty((sum(p[2].size for p in parts), 2), "<f4")
     scales[:, 0] = np.concatenate([p[2] for p in parts])
     scales[:, 1] = np.concatenate([p[3] for p in parts])
-    cols = np.concatenate([p[0].reshape(-1) for p in parts])
     codes = np.concatenate([p[1].reshape(-1) for p in parts])
+    gaps = np.concatenate([np.diff(p[0].astype(np.int64), axis=1, prepend=-1).reshape(-1) - 1
+                           for p in parts])
+    r = rice_bits(spec.chunk, spec.k)
     return b"".join((
         header.tobytes(),
         scales.tobytes(),
-        pack_bits(cols, index_bits(spec.chunk)).tobytes(),
         pack_bits(codes, BITS[spec.name]).tobytes(),
+        pack_bits(gaps & ((1 << r) - 1), r).tobytes(),
+        pack_unary(gaps >> r).tobytes(),
     ))
 
 
@@ -314,10 +370,12 @@ def _dense_out(out: np.ndarray | None, n: int) -> np.ndarray:
 
 
 def _check_header(buf: np.ndarray, n: int, spec: SparseSpec) -> None:
-    expected = encoded_nbytes(n, spec)
-    if buf.size != expected:
+    least = fixed_nbytes(n, spec) + (_counts(n, spec)[2] > 0)
+    most = encoded_nbytes(n, spec)
+    if not least <= buf.size <= most:
         raise CorruptObject(
-            f"decode: {spec.name} payload for {n} values must be {expected} bytes, got {buf.size}"
+            f"decode: {spec.name} payload for {n} values must be {least} to {most} bytes, "
+            f"got {buf.size}"
         )
     said = buf[:HEADER_BYTES].view("<u4")
     want = {"n": n, "C": spec.chunk, "k": spec.k, "b": BITS[spec.name]}
@@ -344,7 +402,8 @@ def _check_scales(scales: np.ndarray) -> None:
 
 
 def _check_indices(cols: np.ndarray, first_chunk: int, length: int) -> None:
-    """Indices of rows of chunks of ``length`` values: in range, strictly increasing."""
+    """Indices of rows of chunks of ``length`` values (increasing by construction)
+    must lie inside their chunk."""
     if cols.size == 0:
         return
     out_of_range = cols >= length
@@ -354,13 +413,6 @@ def _check_indices(cols: np.ndarray, first_chunk: int, length: int) -> None:
             f"decode: sparse index {int(cols[r, i])} out of range for chunk "
             f"{first_chunk + int(r)} of {length} values"
         )
-    falling = np.diff(cols.astype(np.int64), axis=1) <= 0
-    if falling.any():
-        r, i = np.argwhere(falling)[0]
-        raise CorruptObject(
-            f"decode: sparse indices of chunk {first_chunk + int(r)} are not strictly "
-            f"increasing ({int(cols[r, i])} then {int(cols[r, i + 1])})"
-        )
 
 
 def _parse(payload: bytes | memoryview, n: int, spec: SparseSpec) -> list[tuple[np.ndarray, ...]]:
@@ -369,27 +421,27 @@ def _parse(payload: bytes | memoryview, n: int, spec: SparseSpec) -> list[tuple[
     _check_header(buf, n, spec)
     full, tail, kept = _counts(n, spec)
     nchunks = full + (tail > 0)
-    ib, b = index_bits(spec.chunk), BITS[spec.name]
+    r, b = rice_bits(spec.chunk, spec.k), BITS[spec.name]
     at = HEADER_BYTES + 8 * nchunks
     scales = buf[HEADER_BYTES:at].view("<f4").astype(np.float32).reshape(nchunks, 2)
     _check_scales(scales)
     streams = []
-    for bits in (ib, b):
+    for bits, what in ((b, "code"), (r, "gap remainder")):
         stream = buf[at : at + -(-kept * bits // 8)]
         if not _pad_is_clear(stream, kept * bits):
-            what = "index" if bits == ib else "code"
             raise CorruptObject(f"decode: the pad bits after the last sparse {what} are not 0")
         streams.append(unpack_bits(stream, kept, bits))
         at += stream.size
-    cols, codes = streams[0], streams[1].astype(np.uint8)
+    gaps = (unpack_unary(buf[at:], kept) << r) | streams[1].astype(np.int64)
+    codes = streams[0].astype(np.uint8)
     k, head = spec.k, full * spec.k
     parts = []
     if full:
-        parts.append((cols[:head].reshape(full, k), codes[:head].reshape(full, k),
-                      scales[:full, 0], scales[:full, 1]))
+        cols = np.cumsum(gaps[:head].reshape(full, k) + 1, axis=1) - 1
+        parts.append((cols, codes[:head].reshape(full, k), scales[:full, 0], scales[:full, 1]))
     if tail:
-        parts.append((cols[head:].reshape(1, -1), codes[head:].reshape(1, -1),
-                      scales[full:, 0], scales[full:, 1]))
+        cols = np.cumsum(gaps[head:].reshape(1, -1) + 1, axis=1) - 1
+        parts.append((cols, codes[head:].reshape(1, -1), scales[full:, 0], scales[full:, 1]))
     for i, part in enumerate(parts):
         _check_indices(part[0], i * full, spec.chunk if i == 0 and full else tail)
     return parts
