@@ -95,12 +95,12 @@ def serve(
         example = runs[-1] if runs else f"{store.url}/<run>"
         console.print(f"then, e.g.:        diloco status {example}", highlight=False)
         stopped = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-        try:
-            while not stopped.wait(1.0):
-                if store.server is not None and not store.server.running():
-                    raise fail(f"SeaweedFS stopped on its own; see "
-                               f"{shown(str(store.folder / 'weed.log'))}", EXIT_FAILED)
-        except KeyboardInterrupt:
-            pass
+        # both explicitly: a shell that starts a command in the background hands it
+        # SIGINT ignored, and Python then never raises KeyboardInterrupt for it
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stopped.set())
+        while not stopped.wait(1.0):
+            if store.server is not None and not store.server.running():
+                raise fail(f"SeaweedFS stopped on its own; see "
+                           f"{shown(str(store.folder / 'weed.log'))}", EXIT_FAILED)
         console.print("stopping the local-s3 store")
