@@ -106,7 +106,7 @@ def row(outcome: Outcome, dp_loss: float | None) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     data = ensure_dataset(args.data)
-    base = reference_overrides(args.steps, data)
+    base = reference_overrides(args.steps, data, every_member=True)
     modes = [m for m in args.modes.split(",") if m]
     codecs = [c for c in args.codecs.split(",") if c]
     workers = [int(m) for m in args.workers.split(",") if m]

@@ -27,8 +27,13 @@ log = logging.getLogger("benchmarks")
 REFERENCE_MODEL = "{d_model: 128, n_layers: 4, n_heads: 4, max_seq_len: 128}"
 
 
-def reference_overrides(steps: int = 600, data_url: str | None = None) -> list[str]:
-    """The quality recipe: tiny's optimizer, the reference model, 16 x 64 tokens a step."""
+def reference_overrides(steps: int = 600, data_url: str | None = None, *,
+                        every_member: bool = False) -> list[str]:
+    """The quality recipe: tiny's optimizer, the reference model, 16 x 64 tokens a step.
+
+    ``every_member``: every round waits for all workers (quorum 1), so a loss does not
+    depend on how loaded the machine was; on a busy machine the aggregator's grace
+    window otherwise closes rounds without a slow worker's contribution."""
     out = [
         f"model.overrides={REFERENCE_MODEL}",
         "data.seq_len=64",
@@ -45,6 +50,8 @@ def reference_overrides(steps: int = 600, data_url: str | None = None) -> list[s
     ]
     if data_url:
         out.append(f"data.dataset={data_url}")
+    if every_member:
+        out.append("sync.quorum=1.0")
     return out
 
 

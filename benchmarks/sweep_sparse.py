@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(__doc__)
     out, specs = Path(args[0]), args[1:]
     contenders = [parse(s) for s in specs]  # every spec checked before anything runs
-    base = reference_overrides(STEPS, ensure_dataset(None))
+    base = reference_overrides(STEPS, ensure_dataset(None), every_member=True)
     with Workdir("sweep-sparse", keep=False) as wd:
         for spec, c in zip(specs, contenders, strict=True):
             start = time.time()

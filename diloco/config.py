@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from diloco.strict import names_unknown_fields
 from storage.codecs import CODEC_NAMES, SPARSE_CODECS, CodecSpec
@@ -47,7 +47,8 @@ class SyncConfig(BaseModel):
       (never wait for this round's mean; ``eager_rule`` picks adaptive or pure).
     - ``sync_every`` (H): inner steps between two syncs of the same fragment.
     - ``fragments`` (P): how many fragments the model is split into.
-    - ``overlap`` (tau): steps between a fragment's send and its merge.
+    - ``overlap`` (tau): steps between a fragment's send and its merge, or ``auto``
+      (sized per merge point to the measured latency: `diloco.overlap`).
     - ``alpha``: merge weight of the local side, ``lerp(theta_new, theta_m, alpha)``.
     """
 
@@ -57,7 +58,18 @@ class SyncConfig(BaseModel):
     eager_rule: EagerRule = "adaptive"
     sync_every: int = Field(default=50, description="H: inner steps per round of a fragment")
     fragments: int = Field(default=1, description="P: number of fragments")
-    overlap: int = Field(default=0, description="tau: steps a fragment is in flight")
+    overlap: int | Literal["auto"] = Field(
+        default=0, description="tau: steps a fragment is in flight; auto: each worker sizes "
+        "it to its measured exchange latency (diloco/overlap.py)"
+    )
+    overlap_start: int = Field(
+        default=1, description="overlap auto: tau before any latency is measured, and of "
+        "the rounds merging after the run's end"
+    )
+    overlap_margin: float = Field(
+        default=0.25, description="overlap auto: tau covers the worst recent latency plus "
+        "this fraction of it"
+    )
     alpha: float = Field(default=0.5, description="merge weight of the local side")
     pattern: Pattern = "strided"
     separate_rest: bool = Field(
@@ -162,9 +174,36 @@ class SyncConfig(BaseModel):
 
     _known_fields = names_unknown_fields()
 
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _overlap_value(cls, value: object) -> object:
+        """One message for anything but an integer or ``auto`` (not one per union arm)."""
+        if isinstance(value, str) and value.strip() != "auto":
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"must be an integer tau or 'auto', got {value!r}") from None
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"must be an integer tau or 'auto', got {value!r}")
+        return value.strip() if isinstance(value, str) else value
+
+    def _check_overlap(self) -> None:
+        """``overlap: auto`` needs a send before the merge and a start within H/P."""
+        if not self.auto_overlap:
+            return
+        if self.mode == "diloco" or (self.mode == "eager" and self.eager_rule == "pure"):
+            raise ValueError("overlap 'auto' needs mode streaming or eager with a rule other "
+                             "than pure (blocking and pure eager send at the merge)")
+        if self.overlap_start < 1:
+            raise ValueError(f"overlap_start must be >= 1, got {self.overlap_start}")
+        if not self.overlap_margin >= 0:  # also rejects NaN
+            raise ValueError(f"overlap_margin must be >= 0, got {self.overlap_margin}")
+
     @model_validator(mode="after")
     def _check(self) -> SyncConfig:
-        h, p, tau = self.sync_every, self.fragments, self.overlap
+        h, p = self.sync_every, self.fragments
+        self._check_overlap()
+        tau = self.overlap_start if self.auto_overlap else self.overlap
         if h < 1:
             raise ValueError(f"sync_every (H) must be >= 1, got {h}")
         if p < 1:
@@ -176,9 +215,9 @@ class SyncConfig(BaseModel):
                 f"sync_every (H) must be divisible by fragments (P): H = {h}, P = {p}"
             )
         if not 0 <= tau < h // p:
-            raise ValueError(
-                f"overlap (tau) must satisfy 0 <= tau < H/P = {h // p}, got {tau}"
-            )
+            field = "overlap_start" if self.auto_overlap else "overlap (tau)"
+            low = 1 if self.auto_overlap else 0
+            raise ValueError(f"{field} must satisfy {low} <= tau < H/P = {h // p}, got {tau}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         if self.mode == "diloco" and tau != 0:
@@ -299,11 +338,20 @@ class SyncConfig(BaseModel):
         return codec in _LOW_BIT_CODECS
 
     @property
+    def auto_overlap(self) -> bool:
+        """``overlap: auto``: each worker decides tau per merge point (`diloco.overlap`)."""
+        return self.overlap == "auto"
+
+    @property
     def send_offset(self) -> int:
-        """Steps between a fragment's send and its merge (pure eager sends at the merge)."""
+        """Steps between a fragment's send and its merge (pure eager sends at the merge).
+        With ``overlap: auto`` the reference tau: ``overlap_start``, which fixes the
+        round counts (the workers' decisions keep it past the run's end)."""
         if self.mode == "eager" and self.eager_rule == "pure":
             return 0
-        return self.overlap
+        if self.auto_overlap:
+            return self.overlap_start
+        return int(self.overlap)
 
     @property
     def merge_alpha(self) -> float:

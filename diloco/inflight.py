@@ -87,10 +87,13 @@ class InFlight:
         stop: threading.Event | None = None,
         stop_patience_s: float = 10.0,
         on_stall: Callable[[int, int, float], None] | None = None,
+        on_arrival: Callable[[float], None] | None = None,
     ):
         """``on_wait(seconds)`` is told every time a merge waited for a mean;
         ``on_stall(fragment, round, seconds)`` every ``stall_after_s`` while one
-        waits; ``stop`` and ``stop_patience_s`` as for `diloco.replica.Synchronizer`."""
+        waits; ``on_arrival(seconds)`` when the mean of a round sent here reaches
+        this worker, the time since its send (`diloco.overlap` sizes tau by it);
+        ``stop`` and ``stop_patience_s`` as for `diloco.replica.Synchronizer`."""
         self.exchange = exchange
         self.worker = worker
         self.config = config
@@ -104,6 +107,7 @@ class InFlight:
         self._abandon = stop
         self.stop_patience_s = stop_patience_s
         self.on_stall = on_stall
+        self.on_arrival = on_arrival
         self._closed = threading.Event()
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix=f"enc-{worker}")
         self._uploader = ThreadPoolExecutor(2, thread_name_prefix=f"up-{worker}")
@@ -120,7 +124,7 @@ class InFlight:
         previous = self._rounds.get((p, r - 1))
         encoded = self._encoder.submit(self._encode, p, r, delta, previous)
         uploaded = self._uploader.submit(self._upload, encoded, tokens, final, step)
-        mean = self._poller.submit(self._poll_mean, p, r)
+        mean = self._poller.submit(self._poll_mean, p, r, time.monotonic())
         self._rounds[(p, r)] = Round(p, r, encoded, uploaded, mean)
 
     def _encode(self, p: int, r: int, delta: torch.Tensor, previous: Round | None) -> Prepared:
@@ -143,7 +147,11 @@ class InFlight:
                  f"{prepared.round}",
         )
 
-    def _poll_mean(self, p: int, r: int) -> tuple[np.ndarray, dict]:
+    def _poll_mean(self, p: int, r: int, sent_at: float | None = None
+                   ) -> tuple[np.ndarray, dict]:
+        """Poll until the mean of (p, r) is committed; ``on_arrival`` is told the time
+        since ``sent_at`` before the future is done, so a merge that waited on it
+        finds the measurement in place."""
         delay = self.config.poll_interval_s
         what = f"worker {self.worker}: wait for the mean of fragment {p} round {r}"
         while not self._closed.is_set():
@@ -151,6 +159,8 @@ class InFlight:
                           patience_s=self.config.outage_s, stop=self._closed.is_set,
                           pause_s=self.config.poll_max_s)
             if got is not None:
+                if sent_at is not None and self.on_arrival is not None:
+                    self.on_arrival(time.monotonic() - sent_at)
                 return got
             self._closed.wait(delay)
             delay = min(delay * 1.5, self.config.poll_max_s)

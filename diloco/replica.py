@@ -26,6 +26,7 @@ from diloco.config import SyncConfig
 from diloco.fragments import FragmentPlan
 from diloco.inflight import InFlight, MergeAbandoned, Round
 from diloco.outer import OuterState
+from diloco.overlap import AutoOverlap
 from diloco.run import load_initial
 from diloco.schedule import Schedule
 from storage.errors import TransientStoreError
@@ -134,6 +135,10 @@ class Synchronizer:
         self.alpha = self.config.merge_alpha
         self.eager = self.config.mode == "eager"
         self.stats = SyncStats()
+        #: overlap auto: tau per merge point, decided from measured latencies
+        self.auto = None if not self.config.auto_overlap else AutoOverlap(
+            self.schedule.stride, self.total_steps, start=self.config.overlap_start,
+            margin=self.config.overlap_margin)
         init = load_initial(exchange, len(plan))
         self.outer = [OuterState(v, self.config.eta, self.config.mu) for v in init]
         if initialise:
@@ -141,7 +146,8 @@ class Synchronizer:
                 plan.scatter(model, p, state.params)
         self.inflight = InFlight(exchange, worker, len(plan), self.config,
                                  self.stats.record_wait, stop=stop,
-                                 stop_patience_s=stop_patience_s, on_stall=on_stall)
+                                 stop_patience_s=stop_patience_s, on_stall=on_stall,
+                                 on_arrival=self.auto.arrived if self.auto else None)
         self._next_round = [0] * len(plan)
         self._tokens = 0
         self._tokens_at_send = [0] * len(plan)
@@ -170,7 +176,8 @@ class Synchronizer:
                 f"worker {self.worker}: step {self.stats.steps + 1} is past the run's "
                 f"total_steps = {self.total_steps}"
             )
-        events = self.schedule.events(self.stats.steps + 1)
+        events = self.schedule.events(self.stats.steps + 1,
+                                      self.auto.tau_of if self.auto else None)
         for event in events:  # before anything moves: the caller may heal and redo
             if event.kind == "send" and heal and self._too_stale(event.fragment, event.round):
                 raise Behind(self.worker, event.fragment, event.round)
@@ -181,6 +188,19 @@ class Synchronizer:
                 self._send(event.fragment, event.round)
             else:
                 self._merge(event.fragment, event.round)
+        if self.auto is not None:
+            self.auto.stepped(self.stats.wait_seconds)
+            for event in events:
+                if event.kind == "merge":  # decide the next merge point's tau now
+                    self.auto.merged(event.step // self.schedule.stride)
+
+    @property
+    def overlaps(self) -> list[int]:
+        """tau per fragment in force: the newest decided (``overlap: auto``), else
+        the configured one."""
+        if self.auto is not None:
+            return self.auto.current(len(self.plan))
+        return [self.schedule.overlap] * len(self.plan)
 
     def _too_stale(self, p: int, r: int) -> bool:
         """Whether round ``r`` of ``p`` would be dropped: the mean ``max_staleness``
@@ -208,6 +228,8 @@ class Synchronizer:
         self.stats.steps = step
         self._next_round = list(rounds)
         self._tokens_at_send = [self._tokens] * len(self.plan)
+        if self.auto is not None:
+            self.auto.ensure(step // self.schedule.stride + 1)
         self.stats.rebases += 1
         log.info("worker %s: rebased to step %d, rounds %s", self.worker, step, rounds)
 
@@ -348,6 +370,7 @@ class Synchronizer:
             "outer": [o.state_dict() for o in self.outer],
             **self.inflight.state_dict(),  # "residual" and "sent"
             **self.stats.state_dict(),
+            "overlap_auto": self.auto.state_dict() if self.auto else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -362,6 +385,9 @@ class Synchronizer:
             outer.load(saved["params"], saved["momentum"])
         self.inflight.load_state_dict(state)
         self.stats.load(state)
+        if self.auto is not None:  # the decided taus are replayed, not decided again
+            self.auto.load_state_dict(state.get("overlap_auto"))
+            self.auto.ensure(self.stats.steps // self.schedule.stride + 1)
 
     # -- introspection -------------------------------------------------------------
     def outer_params(self, p: int) -> torch.Tensor:

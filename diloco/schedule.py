@@ -6,6 +6,12 @@ k = 1, 2, ...) belongs to fragment ``(k - 1) % P`` and is that fragment's round
 ``t = k * s - tau``. So each fragment syncs every H steps, fragments are staggered by
 ``s``, and at most one fragment is in flight per worker.
 
+With ``overlap: auto`` tau differs per merge point: ``events`` takes a lookup
+``tau_of(k)`` of the tau decided for merge point ``k`` (`diloco.overlap`), so the
+schedule stays a pure function of its inputs; ``overlap`` is then the reference tau
+that fixes the round counts (the decisions keep it for merge points past the run's
+end, so every party counts the same rounds).
+
 A run of ``T`` inner steps also has a final round per fragment when the live
 weights can differ from the outer ones at the end (steps after the last merge, or a
 merge that kept part of the local side): ``rounds_in_run`` counts them, so the
@@ -14,6 +20,7 @@ aggregator and every worker agree on how many rounds each fragment has.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,16 +65,28 @@ class Schedule:
         """Inner step after which fragment ``fragment`` sends round ``round``."""
         return self.merge_step(fragment, round) - self.overlap
 
-    def events(self, step: int) -> list[Event]:
-        """The sends and merges due after inner step ``step`` (sends first)."""
+    def point(self, k: int) -> tuple[int, int]:
+        """(fragment, round) of merge point ``k`` (k = 1, 2, ...)."""
+        return (k - 1) % self.fragments, (k - 1) // self.fragments
+
+    def events(self, step: int, tau_of: Callable[[int], int] | None = None) -> list[Event]:
+        """The sends and merges due after inner step ``step`` (sends first).
+
+        ``tau_of(k)``: the tau of merge point ``k`` when it varies (``overlap: auto``;
+        each must be in ``0 .. H/P - 1``); by default every point's is ``overlap``."""
         out: list[Event] = []
-        s, p = self.stride, self.fragments
-        send_k, rem = divmod(step + self.overlap, s)
-        if rem == 0 and send_k >= 1:
-            out.append(Event("send", (send_k - 1) % p, (send_k - 1) // p, step))
+        s = self.stride
+        if tau_of is None:
+            send_k, rem = divmod(step + self.overlap, s)
+            if rem == 0 and send_k >= 1:
+                out.append(Event("send", *self.point(send_k), step))
+        else:  # tau < s: the point whose send may fall here is the next one (or this)
+            k = -(-step // s)
+            if k >= 1 and k * s - tau_of(k) == step:
+                out.append(Event("send", *self.point(k), step))
         merge_k, rem = divmod(step, s)
         if rem == 0 and merge_k >= 1:
-            out.append(Event("merge", (merge_k - 1) % p, (merge_k - 1) // p, step))
+            out.append(Event("merge", *self.point(merge_k), step))
         return out
 
     def rounds_sent_by(self, fragment: int, total_steps: int) -> int:

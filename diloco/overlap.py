@@ -1,0 +1,126 @@
+"""``overlap: auto``: tau sized to the link, decided per merge point and recorded.
+
+A fragment sent ``tau`` steps before its merge has ``tau`` inner steps of time for
+its round trip (send, the aggregator's mean, the fetch). When that trip takes longer
+the merge waits; when ``tau`` is larger than it needs the merge uses an older
+outer gradient than it could. So each worker measures what it needs:
+
+- the exchange latency of its recent rounds, from the send of a round to the moment
+  its mean reached this worker (`diloco.inflight` stamps both);
+- the inner-step time, wall time between two steps minus the time spent waiting
+  for a mean.
+
+and, right after merge point ``k``, decides the tau of merge point ``k + 1``
+(`decide_tau`): the steps that cover the longest of the last ``LATENCY_WINDOW``
+latencies plus ``overlap_margin`` of it, clamped to ``1 .. H/P - 1``. The send of
+point ``k + 1`` is at least one step later (tau < H/P), so the decision always
+precedes it. Merge point 1 starts at ``overlap_start`` (no measurement yet).
+
+Every decision is kept (`AutoOverlap.state_dict`, in the worker checkpoint), so a
+resumed worker replays the decided points exactly: a round already sent is not sent
+again and a round not yet sent goes out at the same step as before. Points whose
+merge step is past the run's end keep ``overlap_start``: the run's round counts
+(`diloco.schedule.Schedule.rounds_in_run`, fixed in the manifest) assume it there.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+#: recent rounds whose latencies a decision covers (the worst of them)
+LATENCY_WINDOW = 8
+#: recent inner steps whose median is the step time
+STEP_WINDOW = 16
+
+
+def decide_tau(latencies: Sequence[float], step_s: float | None, *, margin: float,
+               start: int, most: int) -> int:
+    """The tau that hides the worst recent latency: ``ceil(max(latencies) * (1 +
+    margin) / step_s)``, clamped to ``1 .. most`` (``most`` = H/P - 1, the
+    schedule's limit). Without a latency or a step time yet: ``start``."""
+    if not latencies or step_s is None or not step_s > 0:
+        return max(1, min(most, start))
+    need = max(latencies) * (1.0 + margin) / step_s
+    return max(1, min(most, math.ceil(need)))
+
+
+class AutoOverlap:
+    """One worker's tau decisions (per merge point) and the measurements behind them."""
+
+    def __init__(self, stride: int, total_steps: int, *, start: int, margin: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.stride, self.total_steps = stride, total_steps
+        self.start, self.margin, self.clock = start, margin, clock
+        self.most = stride - 1
+        #: taus[k - 1] is the tau of merge point k
+        self.taus: list[int] = [self._beyond_end(1, max(1, min(self.most, start)))]
+        self.latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self.step_times: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._last_step: tuple[float, float] | None = None  # (clock, waited so far)
+
+    def tau_of(self, k: int) -> int:
+        """The tau decided for merge point ``k`` (which must be decided)."""
+        return self.taus[k - 1]
+
+    def current(self, fragments: int) -> list[int]:
+        """The newest decided tau of each fragment (for status and metrics)."""
+        out = [self.taus[0]] * fragments
+        for k, tau in enumerate(self.taus, start=1):
+            out[(k - 1) % fragments] = tau
+        return out
+
+    # -- measurements ------------------------------------------------------------
+    def stepped(self, waited_s: float) -> None:
+        """An inner step ended; ``waited_s``: the worker's total wait for means so far
+        (not inner-step time)."""
+        now = self.clock()
+        if self._last_step is not None:
+            then, waited_then = self._last_step
+            self.step_times.append(max(0.0, (now - then) - (waited_s - waited_then)))
+        self._last_step = (now, waited_s)
+
+    def arrived(self, latency_s: float) -> None:
+        """A round's mean reached this worker ``latency_s`` after its send."""
+        self.latencies.append(latency_s)
+
+    def step_s(self) -> float | None:
+        """The median recent inner-step time (None before two steps)."""
+        if not self.step_times:
+            return None
+        return sorted(self.step_times)[len(self.step_times) // 2]
+
+    # -- decisions ---------------------------------------------------------------
+    def merged(self, k: int) -> None:
+        """Merge point ``k`` merged: decide point ``k + 1`` (unless replayed)."""
+        self.ensure(k + 1)
+
+    def ensure(self, k: int) -> None:
+        """Decide every merge point up to ``k`` that is not decided yet (after a
+        rebase the skipped ones are never sent by this worker: they keep the start)."""
+        while len(self.taus) < k - 1:
+            self.taus.append(self._beyond_end(len(self.taus) + 1, self.taus[0]))
+        if len(self.taus) == k - 1:
+            tau = decide_tau(list(self.latencies), self.step_s(), margin=self.margin,
+                             start=self.start, most=self.most)
+            self.taus.append(self._beyond_end(k, tau))
+
+    def _beyond_end(self, k: int, tau: int) -> int:
+        """Points merging after the run's last step keep ``start`` (the round counts
+        assume it)."""
+        return min(self.start, self.most) if k * self.stride > self.total_steps else tau
+
+    # -- checkpoint --------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"taus": list(self.taus), "latencies": list(self.latencies),
+                "step_times": list(self.step_times)}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Take the decisions back (a checkpoint without them: keep the fresh start)."""
+        if not state:
+            return
+        self.taus = [int(t) for t in state["taus"]]
+        self.latencies.extend(float(x) for x in state.get("latencies", []))
+        self.step_times.extend(float(x) for x in state.get("step_times", []))

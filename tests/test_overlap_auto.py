@@ -1,0 +1,169 @@
+"""``overlap: auto``: the tau decision, the schedule it drives, the replica that
+measures and records it, and a resumed worker replaying its decisions. Replicas
+and the aggregator run as threads on memory:// stores (tests/replicas.py)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from diloco.config import SyncConfig
+from diloco.overlap import AutoOverlap, decide_tau
+from diloco.schedule import Schedule
+from replicas import Blocks, data, train_replicas
+from storage.exchange import Exchange
+
+
+def url() -> str:
+    return f"memory://overlap/{uuid.uuid4().hex}"
+
+
+# -- the decision ------------------------------------------------------------------------
+def test_decide_tau_covers_the_worst_recent_latency_plus_the_margin():
+    # 0.5 s * 1.25 / 0.15 s = 4.17 steps -> 5
+    assert decide_tau([0.2, 0.5, 0.3], 0.15, margin=0.25, start=1, most=9) == 5
+    assert decide_tau([0.5], 0.15, margin=0.0, start=1, most=9) == 4  # 3.33 -> 4
+    assert decide_tau([0.3], 0.15, margin=0.0, start=1, most=9) == 2  # exactly 2 steps
+
+
+def test_decide_tau_clamps_to_the_schedule_and_starts_without_measurements():
+    assert decide_tau([30.0], 0.15, margin=0.25, start=1, most=4) == 4  # tau < H/P
+    assert decide_tau([0.001], 0.15, margin=0.25, start=3, most=9) == 1  # never 0
+    assert decide_tau([], 0.15, margin=0.25, start=3, most=9) == 3
+    assert decide_tau([0.5], None, margin=0.25, start=2, most=9) == 2
+
+
+def test_auto_overlap_decides_the_next_point_at_each_merge_and_keeps_start_at_the_end():
+    now = [0.0]
+    auto = AutoOverlap(stride=10, total_steps=40, start=1, margin=0.0, clock=lambda: now[0])
+    for waited in (0.0, 0.05, 0.1):  # inner steps of 0.1 s, 0.05 s of it waiting
+        now[0] += 0.1
+        auto.stepped(waited_s=waited)
+    assert auto.step_s() == pytest.approx(0.05)
+    assert auto.tau_of(1) == 1  # nothing measured yet
+    auto.arrived(0.32)
+    auto.merged(1)
+    assert auto.tau_of(2) == 7  # 0.32 / 0.05 = 6.4 -> 7
+    auto.merged(2)
+    auto.merged(3)
+    auto.merged(4)
+    assert auto.taus == [1, 7, 7, 7, 1]  # point 5 merges at step 50 > 40: the start
+    assert auto.current(2) == [1, 7]
+    again = AutoOverlap(stride=10, total_steps=40, start=1, margin=0.0)
+    again.load_state_dict(auto.state_dict())
+    again.ensure(3)  # decided already: replayed, not decided again
+    assert again.taus == auto.taus
+
+
+def test_schedule_with_per_point_taus_sends_each_round_tau_steps_before_its_merge():
+    sched = Schedule(6, 2, 1)  # s = 3
+    taus = {1: 1, 2: 2, 3: 1, 4: 2}
+    got = [(t, e.kind, e.fragment, e.round) for t in range(1, 13)
+           for e in sched.events(t, taus.__getitem__)]
+    assert got == [
+        (2, "send", 0, 0), (3, "merge", 0, 0), (4, "send", 1, 0), (6, "merge", 1, 0),
+        (8, "send", 0, 1), (9, "merge", 0, 1), (10, "send", 1, 1), (12, "merge", 1, 1)]
+    fixed = Schedule(6, 2, 2)
+    for t in range(1, 13):  # a constant lookup is the fixed schedule
+        assert fixed.events(t, lambda k: 2) == fixed.events(t)
+
+
+# -- configuration ------------------------------------------------------------------------
+def test_overlap_accepts_auto_and_refuses_what_cannot_use_it():
+    cfg = SyncConfig(sync_every=12, fragments=2, overlap="auto")
+    assert cfg.auto_overlap and cfg.send_offset == 1  # overlap_start: the round counts
+    assert SyncConfig(overlap="3").overlap == 3  # a --set value arrives as text
+    cases = [
+        (dict(overlap="often"), "must be an integer tau or 'auto'"),
+        (dict(mode="diloco", overlap="auto"), "overlap 'auto' needs mode streaming"),
+        (dict(mode="eager", eager_rule="pure", overlap="auto"), "than pure"),
+        (dict(overlap="auto", overlap_start=0), "overlap_start must be >= 1"),
+        (dict(sync_every=4, fragments=2, overlap="auto", overlap_start=2),
+         "overlap_start must satisfy 1 <= tau < H/P = 2"),
+        (dict(overlap="auto", overlap_margin=-0.5), "overlap_margin must be >= 0"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValidationError) as info:
+            SyncConfig(**kwargs)
+        assert len(info.value.errors()) == 1 and message in str(info.value), kwargs
+
+
+# -- replicas on a slow link ------------------------------------------------------------
+class SlowLink(Exchange):
+    """A worker's view in which every mean becomes visible ``delay`` seconds after
+    the worker first asks for it (right after its send): a long round trip."""
+
+    def __init__(self, base: Exchange, delay: float):
+        super().__init__(base.store, base.manifest)
+        self.delay, self.first = delay, {}
+
+    def fetch_mean(self, fragment, round, known=None):
+        first = self.first.setdefault((fragment, round), time.monotonic())
+        if time.monotonic() - first < self.delay:
+            return None
+        return super().fetch_mean(fragment, round, known)
+
+
+FAST_POLL = dict(poll_interval_s=0.005, poll_max_s=0.01, grace_min_s=0.01)
+
+
+def _slow_run(overlap, *, delay: float, step_s: float, steps: int, **kw):
+    cfg = SyncConfig(mode="streaming", sync_every=12, fragments=2, overlap=overlap,
+                     alpha=0.5, **FAST_POLL)
+    return train_replicas(url(), Blocks, data, cfg, total_steps=steps, inner_lr=0.05,
+                          before_step=lambda w, s, sync: time.sleep(step_s),
+                          wrap_exchange=lambda w, ex: SlowLink(ex, delay), **kw)
+
+
+def test_auto_overlap_hides_a_slow_exchange_that_tau_1_waits_for():
+    """Round trips of ~0.1 s against inner steps of 0.03 s: with tau = 1 every merge
+    waits for its mean; with auto the workers grow tau (up to H/P - 1 = 5) and, after
+    the first rounds, stop waiting. (The final rounds, sent and merged at the end,
+    wait in both: the training steps' waits are compared.)"""
+    waited: dict[tuple[int, str], dict[int, float]] = {}
+
+    def record(run):
+        return lambda w, step, sync: waited.setdefault((run, w), {}).update(
+            {step: sync.stats.wait_seconds})
+
+    one = _slow_run(1, delay=0.08, step_s=0.03, steps=72, on_step=record(1))
+    auto = _slow_run("auto", delay=0.08, step_s=0.03, steps=72, on_step=record(0))
+    for w in ("w0", "w1"):
+        fixed, tuned = one.traces[w].sync, auto.traces[w].sync
+        assert tuned.auto.taus[0] == 1 and max(tuned.auto.taus) > 1
+        assert all(1 <= t <= 5 for t in tuned.auto.taus)
+        assert tuned.overlaps == tuned.auto.current(2)
+        assert fixed.stats.rounds_merged == tuned.stats.rounds_merged
+        # steps 37..72: six merges, each waiting ~0.05 s at tau = 1
+        late_fixed = waited[(1, w)][72] - waited[(1, w)][36]
+        late_tuned = waited[(0, w)][72] - waited[(0, w)][36]
+        assert late_fixed > 0.15, fixed.stats.waits
+        assert late_tuned < 0.2 * late_fixed, (tuned.stats.waits, tuned.auto.taus)
+
+
+def test_a_resumed_worker_replays_its_decided_taus_and_ends_bit_exact():
+    """Latency far beyond H/P steps pins every measured decision to H/P - 1, so two
+    runs decide alike; w0 restarts at step 15, a round sent with tau = 5 in flight
+    (fragment 0 round 1 merges at 18), w1 at 20. The resumed run keeps the decisions
+    taken before each restart and ends on the same outer state, bit for bit."""
+    seen: dict[str, list[int]] = {}
+
+    def record(worker, step, sync):
+        if step == {"w0": 15, "w1": 20}[worker]:
+            seen[worker] = list(sync.auto.taus)
+
+    plain = _slow_run("auto", delay=0.3, step_s=0.0, steps=36)
+    resumed = _slow_run("auto", delay=0.3, step_s=0.0, steps=36, on_step=record,
+                        restart_at={"w0": 15, "w1": 20})
+    for w in ("w0", "w1"):
+        sync = resumed.traces[w].sync
+        assert sync.auto.taus[: len(seen[w])] == seen[w]
+        assert 5 in seen[w]
+        assert sync.auto.taus == plain.traces[w].sync.auto.taus
+        assert plain.traces[w].losses == resumed.traces[w].losses
+        for p in range(2):
+            assert torch.equal(sync.outer_params(p), plain.traces[w].sync.outer_params(p))
