@@ -167,3 +167,42 @@ def test_a_resumed_worker_replays_its_decided_taus_and_ends_bit_exact():
         assert plain.traces[w].losses == resumed.traces[w].losses
         for p in range(2):
             assert torch.equal(sync.outer_params(p), plain.traces[w].sync.outer_params(p))
+
+
+# -- the worker: status, metrics, a crash and resume --------------------------------------
+@pytest.fixture(scope="module")
+def dataset() -> str:
+    from workers.data.prepare import prepare_data  # noqa: PLC0415
+
+    url = f"memory://datasets/overlap-{uuid.uuid4().hex[:8]}"
+    prepare_data(["builtin:shakespeare"], url, max_bytes=100_000)
+    return url
+
+
+def test_a_worker_reports_its_taus_and_resumes_a_crash_with_overlap_auto(dataset):
+    """The worker's status carries ``tau`` per fragment and its metric reports
+    ``tau/f0``, ``tau/f1`` (what MLflow logs); a worker that crashed at step 14
+    resumes from its checkpoint of step 8 and finishes the run."""
+    from test_worker import Run, config  # noqa: PLC0415
+
+    from storage.objectstore import ObjectStore  # noqa: PLC0415
+    from workers.status import read_status  # noqa: PLC0415
+
+    reported: list[dict] = []
+
+    class Watched(Run):
+        def metrics(self, m):
+            super().metrics(m)
+            reported.append(m)
+
+    run = Watched(config(dataset, "train.steps=24", "train.checkpoint_every=8",
+                         "sync.overlap=auto", "sync.quorum=1.0"))
+    results = run.train(crash={"region-b": 14})
+    assert results["region-b"].resumed_from == 8
+    for w in run.cfg.workers:
+        assert results[w].steps == 24
+        taus = read_status(ObjectStore(run.url), w)["tau"]
+        assert len(taus) == 2 and all(1 <= t <= 3 for t in taus)  # H/P - 1 = 3
+        mine = [m for m in reported if m.get("worker") == w and "tau/f0" in m]
+        assert mine and all(1 <= m["tau/f0"] <= 3 and 1 <= m["tau/f1"] <= 3 for m in mine)
+    assert run.aggregator.done

@@ -40,6 +40,16 @@ WORKER_COLUMNS = [
 ]
 
 
+def taus(sync: Any, *, metrics: bool = False) -> dict[str, Any]:
+    """``overlap: auto``: the tau in force per fragment (the newest decided), so a
+    run shows what each worker chose: ``tau`` (a list) in its status, ``tau/f<p>``
+    in its metric reports (MLflow). Nothing for a fixed tau (the config says it)."""
+    if sync is None or getattr(sync, "auto", None) is None:
+        return {}
+    taus = sync.overlaps
+    return {f"tau/f{p}": t for p, t in enumerate(taus)} if metrics else {"tau": taus}
+
+
 def party_meter(cfg: RunConfig, party: str, stores: Sequence[ObjectStore],
                 board: StatusBoard) -> billing.Meter:
     """The bill of ``party``: the traffic of every store client it has (``stores`` and

@@ -471,7 +471,7 @@ class WorkerLoop:
         self.status.update(
             state, force=force, step=self.step, total_steps=self.cfg.train.steps,
             tokens=self.tokens, bytes_up=up, bytes_down=down, **bill,
-            wait_s=self.sync.stats.wait_seconds if self.sync else 0.0,
+            wait_s=self.sync.stats.wait_seconds if self.sync else 0.0, **report.taus(self.sync),
             from_step=self.from_step, slot=getattr(getattr(self, "seat", None), "slot", None),
             rebases=self.sync.stats.rebases if self.sync else 0, **fields,
         )
@@ -487,6 +487,7 @@ class WorkerLoop:
             m["wait_s"] = st.wait_seconds
             m["staleness"] = (sum(st.staleness) / len(st.staleness)) if st.staleness else 0.0
             m["late_means"] = st.late_means
+            m.update(report.taus(self.sync, metrics=True))
         self.metrics(m)
 
     def moved(self) -> tuple[int, int]:
