@@ -1,7 +1,8 @@
 """Compute utilisation under limited bandwidth: a ladder of link caps, per strategy.
 
     sudo .venv/bin/python -m benchmarks.bench_bandwidth [--caps none,1000,300,100,30,10,3,1] \\
-        [--steps 90] [--sync-every 30] [--modes data-parallel,diloco,streaming,eager]
+        [--steps 90] [--sync-every 30] \\
+        [--modes data-parallel,diloco,streaming,streaming-auto,eager]
 
 Needs root (see benchmarks/netns.py). Each worker runs as its own process in its own
 network namespace, behind a veth pair whose two egresses are capped with HTB
@@ -25,6 +26,8 @@ applied more than one round late (a link that cannot carry a round's bytes withi
 a round builds a backlog that staleness shows). Data-parallel at low caps runs fewer
 steps (enough for ``--dp-budget`` seconds of all-reduce at the cap's rate) since
 every step costs the same; its eval loss is then not comparable and left out.
+``streaming-auto`` is streaming with ``overlap: auto`` (diloco/overlap.py): its row
+shows the tau each worker had decided per fragment at the end of the rung.
 """
 
 from __future__ import annotations
@@ -135,6 +138,7 @@ class Bench:
         finally:
             self.topo.set_cap(None)
         out = outcome(contender, cfg, run_url, results, agg, 0.0, opts)
+        taus = final_taus(run_url, opts, [str(r["worker"]) for r in results])
         if hooks:
             hooks.run_finished({"benchmark_contender": contender.name, "cap": cap_label(cap),
                                 "eval_loss": out.eval_loss})
@@ -142,8 +146,19 @@ class Bench:
         wire = [{"up": a["up"] - b["up"], "down": a["down"] - b["down"]}
                 for a, b in zip(after, counters["before"], strict=True)]
         wall = max(r["timing"]["loop_s"] for r in results)
-        return summarise(contender, cap, steps, out.eval_loss, wall, results, wire,
-                         out.num_parameters)
+        return {**summarise(contender, cap, steps, out.eval_loss, wall, results, wire,
+                            out.num_parameters), "taus": taus}
+
+
+def final_taus(run_url: str, opts: dict, workers: list[str]) -> dict[str, list[int]]:
+    """``overlap: auto``: each worker's tau per fragment at the end, from its status
+    (`workers.report.taus`); empty for a fixed tau."""
+    from storage.objectstore import ObjectStore  # noqa: PLC0415
+    from workers.status import read_status  # noqa: PLC0415
+
+    store = ObjectStore(run_url, storage_options=opts)
+    found = {w: (read_status(store, w) or {}).get("tau") for w in workers}
+    return {w: list(t) for w, t in found.items() if t}
 
 
 def summarise(contender: Contender, cap: float | None, steps: int, eval_loss: float,
@@ -281,7 +296,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"`{env['command']}`)", "",
         f"M = {s['workers']} workers, each in its own network namespace behind an HTB cap "
         f"(each way); {s['steps']} inner steps per rung of the quality recipe, H = "
-        f"{s['sync_every']} (P = 2 for streaming and eager, tau = 1), int4 up / int8 down. "
+        f"{s['sync_every']} (P = 2 for streaming and eager, tau = 1 or auto), int4 up / int8 "
+        "down. "
         "Utilisation: the slower worker's compute time / training-loop time; steady "
         "leaves out the final drain. Wire: Ethernet bytes per worker per step on its veth "
         "(training loop and drain). Link busy: the busier direction's bytes over what the "
@@ -291,7 +307,8 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     head = ["cap", "contender", "steps", "compute s / step", "utilisation (steady)",
             "with drain", "drain s",
-            "max staleness", "eval loss", "wire up / down per step", "link busy", "keeps 95%"]
+            "max staleness", "eval loss", "wire up / down per step", "link busy", "keeps 95%",
+            "tau (auto)"]
     table = []
     for r in res["rows"]:
         full = r["steps"] == s["steps"]
@@ -304,7 +321,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['wire_bytes_per_step']['up'] / 1e3:.1f} / "
             f"{r['wire_bytes_per_step']['down'] / 1e3:.1f} kB",
             "" if r["link_busy"] is None else f"{r['link_busy']:.0%}",
-            "yes" if r["keeps_95"] else "no"])
+            "yes" if r["keeps_95"] else "no",
+            " ".join(f"{w}: {'/'.join(map(str, t))}" for w, t in r.get("taus", {}).items())])
     lines += [md_table(head, table), ""]
     lines.append(md_table(
         ["contender", "lowest cap keeping 95%"],
@@ -328,7 +346,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=90, help="inner steps per rung")
     p.add_argument("--sync-every", type=int, default=30, help="H")
     p.add_argument("--workers", type=int, default=2, help="M")
-    p.add_argument("--modes", default="data-parallel,diloco,streaming,eager")
+    p.add_argument("--modes", default="data-parallel,diloco,streaming,streaming-auto,eager")
     p.add_argument("--dp-budget", type=float, default=60.0,
                    help="seconds of all-reduce data-parallel may spend per rung")
     p.add_argument("--data", type=Path, default=None)

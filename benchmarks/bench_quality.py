@@ -57,6 +57,7 @@ from benchmarks.report import (
 SWEEP: dict[str, list[tuple[float, float]]] = {
     "diloco": [(0.4, 0.9), (0.7, 0.9), (1.0, 0.0)],
     "streaming": [(0.4, 0.9), (0.7, 0.9), (1.0, 0.0)],
+    "streaming-auto": [(0.4, 0.9), (0.7, 0.9), (1.0, 0.0)],
     "eager": [(0.7, 0.5), (0.7, 0.0), (1.0, 0.0)],
     "pure-eager": [(0.7, 0.5), (0.7, 0.0), (1.0, 0.0)],
 }
@@ -169,7 +170,8 @@ def _outer(r: dict[str, Any]) -> str:
         return ""
     from diloco.config import OUTER_DEFAULTS  # noqa: PLC0415
 
-    mode = "eager" if r["mode"] == "pure-eager" else r["mode"]
+    # the config's mode (pure-eager is eager, streaming-auto streaming)
+    mode = next(o.split("=", 1)[1] for o in MODES[r["mode"]] if o.startswith("sync.mode="))
     lr = r["outer_lr"] if r["outer_lr"] is not None else OUTER_DEFAULTS[mode][0]
     mu = r["outer_momentum"] if r["outer_momentum"] is not None else OUTER_DEFAULTS[mode][1]
     return f"{lr:g} / {mu:g}"

@@ -60,6 +60,9 @@ MODES: dict[str, list[str]] = {
     "diloco": ["sync.mode=diloco", "sync.fragments=1", "sync.overlap=0"],
     "streaming": ["sync.mode=streaming", "sync.fragments=2", "sync.overlap=1",
                   "sync.alpha=0.5"],
+    # tau sized per merge point to the measured exchange latency (diloco/overlap.py)
+    "streaming-auto": ["sync.mode=streaming", "sync.fragments=2", "sync.overlap=auto",
+                       "sync.alpha=0.5"],
     "eager": ["sync.mode=eager", "sync.eager_rule=adaptive", "sync.fragments=2",
               "sync.overlap=1", "sync.alpha=0.5"],
     "pure-eager": ["sync.mode=eager", "sync.eager_rule=pure", "sync.fragments=2",
@@ -69,6 +72,7 @@ MODE_LABELS = {
     "data-parallel": "data-parallel",
     "diloco": "DiLoCo (blocking)",
     "streaming": "streaming (tau=1, alpha=0.5)",
+    "streaming-auto": "streaming (overlap auto, alpha=0.5)",
     "eager": "adaptive eager (tau=1, alpha=0.5)",
     "pure-eager": "pure eager (paper's rule)",
 }
