@@ -30,7 +30,6 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections.abc import Callable
@@ -38,7 +37,6 @@ from contextlib import nullcontext, suppress
 from typing import Any, TypeVar
 
 import fsspec
-from fsspec.asyn import sync as fsspec_sync
 from tenacity import RetryCallState
 
 from storage.backends import (
@@ -52,6 +50,7 @@ from storage.backends import (
     validate_key,
 )
 from storage.errors import ObjectMissing, TransientStoreError
+from storage.multipart import LargeObjects, Tally, first_bytes, gather, read, run, upload
 from storage.retry import RetryPolicy, is_transient
 from storage.traffic import TrafficCounter
 
@@ -76,6 +75,7 @@ class ObjectStore:
         traffic: TrafficCounter | None = None,
         name: str = "",
     ) -> None:
+        self.large, storage_options = LargeObjects.from_options(storage_options)
         backend = open_backend(url, storage_options)
         self._kind, self.url, self._fs, self._root = (
             backend.kind, backend.url, backend.fs, backend.root
@@ -95,7 +95,7 @@ class ObjectStore:
         view = object.__new__(ObjectStore)
         view._kind = self._kind
         view.url = f"{self.url}/{prefix}"
-        view.retry = self.retry
+        view.retry, view.large = self.retry, self.large
         view.traffic = self.traffic
         view.name = self.name
         view._traffic_prefix = f"{self._traffic_prefix}{prefix}/"
@@ -140,6 +140,8 @@ class ObjectStore:
         ever happens when a retry repeats a write that may already have landed.
         """
         path = self._join(validate_key(key))
+        if self._kind == "s3" and self.large.is_large(len(data)):  # in parts, not copied
+            return run(self._fs, upload(self._fs, path, data, self.large, self._tally(path)))
         data = bytes(data)
         self._run("put", key, lambda _attempt: self._put_raw(path, data))
         self.traffic.record("put", self._tkey(key), up=len(data), stored=True)
@@ -219,6 +221,8 @@ class ObjectStore:
     def put_many(self, items: dict[str, bytes]) -> None:
         """Write every ``key: data`` pair, concurrently on S3 (overwrite allowed)."""
         data = {validate_key(k): bytes(v) for k, v in items.items()}
+        for key in [k for k, v in data.items() if self._kind == "s3" and self.large.is_large(len(v))]:
+            self.put(key, data.pop(key))  # in parts, each in parallel
         paths = {k: self._join(k) for k in data}
         self._run_many(
             "put",
@@ -432,7 +436,14 @@ class ObjectStore:
         return True
 
     def _read_raw(self, path: str) -> bytes:
-        return self._fs.cat_file(path)
+        if self._kind != "s3":
+            return self._fs.cat_file(path)
+        head = first_bytes(self._fs, path, self.large)
+        return run(self._fs, read(self._fs, path, self.large, self._tally(path), head))
+
+    def _tally(self, path: str) -> Tally:
+        key = path[len(self._root.rstrip("/")) + 1:]
+        return Tally(self.retry, self.traffic, self._tkey(key), self.full_url(key), self.name)
 
     def _size_raw(self, path: str) -> int | None:
         """Size of the object at ``path``, or None if there is none (one HEAD on S3,
@@ -467,7 +478,7 @@ class ObjectStore:
 
     def _read_many_raw(self, paths: list[str]) -> list[bytes | Exception]:
         if self._kind == "s3":
-            return self._s3_gather([self._fs._cat_file(p) for p in paths])
+            return self._s3_gather([read(self._fs, p, self.large, self._tally(p)) for p in paths])
         return [_capture(lambda p=p: self._read_raw(p)) for p in paths]
 
     def _put_many_raw(self, items: dict[str, bytes]) -> list[None | Exception]:
@@ -478,18 +489,7 @@ class ObjectStore:
     def _s3_gather(self, coros: list[Any]) -> list[Any]:
         """Run s3fs coroutines on its IO loop, at most ``max_concurrency`` at once,
         returning each result or exception in order."""
-        limit = max(1, int(getattr(self._fs, "max_concurrency", 10)))
-
-        async def gather() -> list[Any]:
-            gate = asyncio.Semaphore(limit)
-
-            async def one(coro: Any) -> Any:
-                async with gate:
-                    return await coro
-
-            return await asyncio.gather(*(one(c) for c in coros), return_exceptions=True)
-
-        return fsspec_sync(self._fs.loop, gather)
+        return gather(self._fs, coros, max(1, int(getattr(self._fs, "max_concurrency", 10))))
 
 
 def _capture(fn: Callable[[], T]) -> T | Exception:

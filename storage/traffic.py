@@ -10,8 +10,9 @@ What is counted, precisely:
 
 - `requests` counts logical store operations on one key (one per object for
   get/put, one per list, exists, size, delete), and every attempt of a retried
-  operation counts again. It is not a count of HTTP calls: s3fs may split a large
-  object into ranged reads or a multipart upload.
+  operation counts again. A large object on S3 (storage/multipart.py) is several
+  requests: a multipart upload counts one ``put`` for its start, one per part and
+  one for its completion; a ranged read one ``get`` per range.
 - `bytes_up` / `bytes_down` count object bodies only (no headers, no listings).
   A create-only write that loses the race still sent its body, so it counts up;
   `objects_up` records only objects that were actually stored.
@@ -79,12 +80,14 @@ class TrafficCounter:
         down: int = 0,
         stored: bool = False,
         fetched: bool = False,
+        size: int | None = None,
     ) -> None:
         """Count one request of operation `op` on `key`.
 
         `up`/`down` are body bytes sent/received. `stored` records `up` as the size
         of the object now in the store; `fetched` records `down` as the size of the
-        object read.
+        object read; ``size`` instead, when this request's body is not the whole
+        object (the completion of a multipart upload).
         """
         cat = self._category(key)
         with self._lock:
@@ -94,9 +97,9 @@ class TrafficCounter:
                 t.bytes_down += down
             self._by_op[op] = self._by_op.get(op, 0) + 1
             if stored:
-                self._objects_up[key] = up
+                self._objects_up[key] = up if size is None else size
             if fetched:
-                self._objects_down[key] = down
+                self._objects_down[key] = down if size is None else size
 
     def record_retry(self, op: str, key: str) -> None:
         """Count one failed attempt of ``op`` on ``key`` that will be tried again."""
