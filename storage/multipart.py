@@ -342,10 +342,13 @@ def first_bytes(fs: Any, path: str, opts: LargeObjects) -> bytes:
 
 
 async def _read_into(stream: Any, out: memoryview, url: str) -> None:
-    """Fill ``out`` from a response body, in the chunks the socket delivers."""
+    """Fill ``out`` from a response body, 1 MiB at most at a time: aiohttp hands a
+    read its buffered chunks joined into one new ``bytes`` of up to the size asked,
+    and allocations of many MiB that are freed at once stay in the allocator's
+    arenas (peak RSS 1.9x a 512 MiB object read in 16 MiB reads)."""
     pos = 0
     while pos < len(out):
-        n = await stream.readinto(out[pos:])
+        n = await stream.readinto(out[pos:pos + MIB])
         if n == 0:
             raise OSError(errno.ECONNRESET, f"{url}: body ended after {pos} of {len(out)} bytes")
         pos += n
