@@ -159,6 +159,9 @@ async def _bounded(limit: int, coros: list[Awaitable[T]]) -> list[T]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for coro in coros:  # those cancelled before they started were never awaited
+            if asyncio.iscoroutine(coro):
+                coro.close()
         raise
 
 
