@@ -191,9 +191,10 @@ class SyncConfig(BaseModel):
         """``overlap: auto`` needs a send before the merge and a start within H/P."""
         if not self.auto_overlap:
             return
-        if self.mode == "diloco" or (self.mode == "eager" and self.eager_rule == "pure"):
-            raise ValueError("overlap 'auto' needs mode streaming or eager with a rule other "
-                             "than pure (blocking and pure eager send at the merge)")
+        if self.mode != "streaming":  # blocking and pure eager send at the merge; the
+            # other eager rules merge before the mean arrives, which the workers'
+            # agreement on tau needs (diloco/overlap.py)
+            raise ValueError(f"overlap 'auto' needs mode streaming, got mode {self.mode!r}")
         if self.overlap_start < 1:
             raise ValueError(f"overlap_start must be >= 1, got {self.overlap_start}")
         if not self.overlap_margin >= 0:  # also rejects NaN

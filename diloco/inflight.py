@@ -108,6 +108,9 @@ class InFlight:
         self.stop_patience_s = stop_patience_s
         self.on_stall = on_stall
         self.on_arrival = on_arrival
+        #: overlap auto: read the tau proposals of each mean's contributions
+        self.agree = on_arrival is not None
+        self._agreed: dict[tuple[int, int], int | None] = {}
         self._closed = threading.Event()
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix=f"enc-{worker}")
         self._uploader = ThreadPoolExecutor(2, thread_name_prefix=f"up-{worker}")
@@ -118,12 +121,16 @@ class InFlight:
 
     # -- sending -------------------------------------------------------------------
     def send(self, p: int, r: int, delta: torch.Tensor, *, tokens: int, final: bool,
-             step: int) -> None:
+             step: int, tau_next: int | None = None) -> None:
         """Encode (with the residual), upload and await the mean of round ``r`` of
-        fragment ``p``, all in the background."""
+        fragment ``p``, all in the background. ``tau_next``: this worker's proposal
+        for the next merge point's tau (``overlap: auto``), kept in the commit."""
         previous = self._rounds.get((p, r - 1))
+        extra: dict = {"final": final, "step": step}
+        if tau_next is not None:
+            extra["tau_next"] = int(tau_next)
         encoded = self._encoder.submit(self._encode, p, r, delta, previous)
-        uploaded = self._uploader.submit(self._upload, encoded, tokens, final, step)
+        uploaded = self._uploader.submit(self._upload, encoded, tokens, extra)
         mean = self._poller.submit(self._poll_mean, p, r, time.monotonic())
         self._rounds[(p, r)] = Round(p, r, encoded, uploaded, mean)
 
@@ -137,11 +144,10 @@ class InFlight:
             self.residual[p] = rules.residual_of(delta, torch.from_numpy(prepared.decoded))
         return prepared
 
-    def _upload(self, encoded: Future, tokens: int, final: bool, step: int) -> Published:
+    def _upload(self, encoded: Future, tokens: int, extra: dict) -> Published:
         prepared: Prepared = encoded.result()
         return outlast(  # a retried publish is safe: fresh payload, create-only commit
-            lambda: self.exchange.publish_prepared(
-                prepared, tokens=tokens, extra={"final": final, "step": step}),
+            lambda: self.exchange.publish_prepared(prepared, tokens=tokens, extra=extra),
             patience_s=self.config.outage_s, log=log, stop=self._closed.is_set,
             pause_s=self.config.poll_max_s, what=f"worker {self.worker}: send of fragment {prepared.fragment} round "
                  f"{prepared.round}",
@@ -161,10 +167,29 @@ class InFlight:
             if got is not None:
                 if sent_at is not None and self.on_arrival is not None:
                     self.on_arrival(time.monotonic() - sent_at)
+                if self.agree:
+                    self._agreed[(p, r)] = self._proposals(p, r, got[1])
                 return got
             self._closed.wait(delay)
             delay = min(delay * 1.5, self.config.poll_max_s)
         raise RuntimeError(f"worker {self.worker}: stopped while waiting for fragment {p} round {r}")
+
+    def _proposals(self, p: int, r: int, commit: dict) -> int | None:
+        """The largest ``tau_next`` of the contributions the mean counted on time
+        (weight keys without ``@``): the same for every worker, as the commits are."""
+        found = []
+        for w in sorted(k for k in commit.get("weights", {}) if "@" not in k):
+            got = outlast(lambda w=w: self.exchange.delta_commit(p, r, w), log=log,
+                          what=f"worker {self.worker}: read the tau proposal of {w}",
+                          patience_s=self.config.outage_s, stop=self._closed.is_set,
+                          pause_s=self.config.poll_max_s)
+            if got.get("tau_next") is not None:
+                found.append(int(got["tau_next"]))
+        return max(found, default=None)
+
+    def agreed_tau(self, p: int, r: int) -> int | None:
+        """The tau the workers agreed on after (p, r) (its mean must have arrived)."""
+        return self._agreed.get((p, r))
 
     def _fetch_mean(self, p: int, r: int) -> tuple[np.ndarray, dict] | None:
         if self.exchange.from_peers:  # the others' contributions only: ours is here
@@ -267,6 +292,7 @@ class InFlight:
         # keep the newest one: the pure rule and error feedback look one round back
         for k in done[:-1]:
             del self._rounds[(p, k)]
+            self._agreed.pop((p, k), None)
 
     def drain(self) -> None:
         """Wait until every round sent so far is committed to the store."""

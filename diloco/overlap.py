@@ -10,11 +10,19 @@ outer gradient than it could. So each worker measures what it needs:
 - the inner-step time, wall time between two steps minus the time spent waiting
   for a mean.
 
-and, right after merge point ``k``, decides the tau of merge point ``k + 1``
-(`decide_tau`): the steps that cover the longest of the last ``LATENCY_WINDOW``
-latencies plus ``overlap_margin`` of it, clamped to ``1 .. H/P - 1``. The send of
-point ``k + 1`` is at least one step later (tau < H/P), so the decision always
-precedes it. Merge point 1 starts at ``overlap_start`` (no measurement yet).
+and proposes, at each send, the tau that would hide that latency (`decide_tau`: the
+steps that cover the longest of the last ``LATENCY_WINDOW`` latencies plus
+``overlap_margin`` of it, clamped to ``1 .. H/P - 1``). The proposal rides in the
+contribution's commit (``tau_next``). Right after merge point ``k`` every worker
+decides the tau of merge point ``k + 1`` the same way: the largest proposal of the
+workers the mean of point ``k`` counted on time (its commit names them), or point
+``k``'s own tau when it names none. All workers read the same commits, so they agree
+and send together: a worker that sent earlier than the others would wait in the
+aggregator's inbox for them (its latency would grow with its lead, and its tau with
+it) and, past the grace window, leave them out of the round. The send of point
+``k + 1`` is at least one step after merge ``k`` (tau < H/P), so the decision always
+precedes it. Merge points 1 and 2 use ``overlap_start`` (no proposal has measured
+anything yet).
 
 Every decision is kept (`AutoOverlap.state_dict`, in the worker checkpoint), so a
 resumed worker replays the decided points exactly: a round already sent is not sent
@@ -93,19 +101,24 @@ class AutoOverlap:
         return sorted(self.step_times)[len(self.step_times) // 2]
 
     # -- decisions ---------------------------------------------------------------
-    def merged(self, k: int) -> None:
-        """Merge point ``k`` merged: decide point ``k + 1`` (unless replayed)."""
-        self.ensure(k + 1)
+    def propose(self) -> int:
+        """This worker's tau for the rounds to come, from its own measurements."""
+        return decide_tau(list(self.latencies), self.step_s(), margin=self.margin,
+                          start=self.start, most=self.most)
+
+    def merged(self, k: int, agreed: int | None) -> None:
+        """Merge point ``k`` merged: point ``k + 1`` takes ``agreed`` (the largest
+        proposal the mean of point ``k`` counted), else point ``k``'s tau. A point
+        decided already (a resumed worker replaying) keeps its decision."""
+        if len(self.taus) == k:
+            tau = self.taus[k - 1] if agreed is None else max(1, min(self.most, agreed))
+            self.taus.append(self._beyond_end(k + 1, tau))
 
     def ensure(self, k: int) -> None:
-        """Decide every merge point up to ``k`` that is not decided yet (after a
-        rebase the skipped ones are never sent by this worker: they keep the start)."""
-        while len(self.taus) < k - 1:
-            self.taus.append(self._beyond_end(len(self.taus) + 1, self.taus[0]))
-        if len(self.taus) == k - 1:
-            tau = decide_tau(list(self.latencies), self.step_s(), margin=self.margin,
-                             start=self.start, most=self.most)
-            self.taus.append(self._beyond_end(k, tau))
+        """Decide every merge point up to ``k`` not decided yet (after a rebase or an
+        old checkpoint), with the newest decided tau."""
+        while len(self.taus) < k:
+            self.taus.append(self._beyond_end(len(self.taus) + 1, self.taus[-1]))
 
     def _beyond_end(self, k: int, tau: int) -> int:
         """Points merging after the run's last step keep ``start`` (the round counts

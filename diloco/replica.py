@@ -192,7 +192,8 @@ class Synchronizer:
             self.auto.stepped(self.stats.wait_seconds)
             for event in events:
                 if event.kind == "merge":  # decide the next merge point's tau now
-                    self.auto.merged(event.step // self.schedule.stride)
+                    self.auto.merged(event.step // self.schedule.stride,
+                                     self.inflight.agreed_tau(event.fragment, event.round))
 
     @property
     def overlaps(self) -> list[int]:
@@ -281,7 +282,8 @@ class Synchronizer:
         delta = rules.outer_gradient(self.outer[p].params, self.plan.gather(self.model, p))
         tokens = self._tokens - self._tokens_at_send[p]
         self._tokens_at_send[p] = self._tokens
-        self.inflight.send(p, r, delta, tokens=tokens, final=final, step=self.stats.steps)
+        self.inflight.send(p, r, delta, tokens=tokens, final=final, step=self.stats.steps,
+                           tau_next=self.auto.propose() if self.auto else None)
         self.stats.rounds_sent += 1
         log.debug("worker %s: sent fragment %d round %d", self.worker, p, r)
 

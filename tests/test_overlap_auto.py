@@ -37,7 +37,7 @@ def test_decide_tau_clamps_to_the_schedule_and_starts_without_measurements():
     assert decide_tau([0.5], None, margin=0.25, start=2, most=9) == 2
 
 
-def test_auto_overlap_decides_the_next_point_at_each_merge_and_keeps_start_at_the_end():
+def test_auto_overlap_proposes_from_its_measurements_and_takes_the_agreed_tau():
     now = [0.0]
     auto = AutoOverlap(stride=10, total_steps=40, start=1, margin=0.0, clock=lambda: now[0])
     for waited in (0.0, 0.05, 0.1):  # inner steps of 0.1 s, 0.05 s of it waiting
@@ -46,17 +46,19 @@ def test_auto_overlap_decides_the_next_point_at_each_merge_and_keeps_start_at_th
     assert auto.step_s() == pytest.approx(0.05)
     assert auto.tau_of(1) == 1  # nothing measured yet
     auto.arrived(0.32)
-    auto.merged(1)
-    assert auto.tau_of(2) == 7  # 0.32 / 0.05 = 6.4 -> 7
-    auto.merged(2)
-    auto.merged(3)
-    auto.merged(4)
-    assert auto.taus == [1, 7, 7, 7, 1]  # point 5 merges at step 50 > 40: the start
-    assert auto.current(2) == [1, 7]
+    assert auto.propose() == 7  # 0.32 / 0.05 = 6.4 -> 7
+    auto.merged(1, agreed=None)  # the mean named no proposal: point 1's tau again
+    auto.merged(2, agreed=7)
+    auto.merged(3, agreed=12)  # clamped to H/P - 1 = 9
+    auto.merged(4, agreed=7)
+    assert auto.taus == [1, 1, 7, 9, 1]  # point 5 merges at step 50 > 40: the start
+    assert auto.current(2) == [1, 9]
+    auto.merged(2, agreed=3)  # decided already (a replay): kept
+    assert auto.taus[2] == 7
     again = AutoOverlap(stride=10, total_steps=40, start=1, margin=0.0)
     again.load_state_dict(auto.state_dict())
-    again.ensure(3)  # decided already: replayed, not decided again
-    assert again.taus == auto.taus
+    again.ensure(3)
+    assert again.taus == auto.taus and again.propose() == auto.propose()
 
 
 def test_schedule_with_per_point_taus_sends_each_round_tau_steps_before_its_merge():
@@ -80,7 +82,7 @@ def test_overlap_accepts_auto_and_refuses_what_cannot_use_it():
     cases = [
         (dict(overlap="often"), "must be an integer tau or 'auto'"),
         (dict(mode="diloco", overlap="auto"), "overlap 'auto' needs mode streaming"),
-        (dict(mode="eager", eager_rule="pure", overlap="auto"), "than pure"),
+        (dict(mode="eager", overlap="auto"), "needs mode streaming, got mode 'eager'"),
         (dict(overlap="auto", overlap_start=0), "overlap_start must be >= 1"),
         (dict(sync_every=4, fragments=2, overlap="auto", overlap_start=2),
          "overlap_start must satisfy 1 <= tau < H/P = 2"),
@@ -111,12 +113,15 @@ class SlowLink(Exchange):
 FAST_POLL = dict(poll_interval_s=0.005, poll_max_s=0.01, grace_min_s=0.01)
 
 
-def _slow_run(overlap, *, delay: float, step_s: float, steps: int, **kw):
+def _slow_run(overlap, *, delay: float | dict[str, float], step_s: float, steps: int,
+              **kw):
+    """Two workers, H = 12, P = 2; ``delay``: the round trip, or one per worker."""
     cfg = SyncConfig(mode="streaming", sync_every=12, fragments=2, overlap=overlap,
                      alpha=0.5, **FAST_POLL)
+    delays = delay if isinstance(delay, dict) else {"w0": delay, "w1": delay}
     return train_replicas(url(), Blocks, data, cfg, total_steps=steps, inner_lr=0.05,
                           before_step=lambda w, s, sync: time.sleep(step_s),
-                          wrap_exchange=lambda w, ex: SlowLink(ex, delay), **kw)
+                          wrap_exchange=lambda w, ex: SlowLink(ex, delays[w]), **kw)
 
 
 def test_auto_overlap_hides_a_slow_exchange_that_tau_1_waits_for():
@@ -132,6 +137,7 @@ def test_auto_overlap_hides_a_slow_exchange_that_tau_1_waits_for():
 
     one = _slow_run(1, delay=0.08, step_s=0.03, steps=72, on_step=record(1))
     auto = _slow_run("auto", delay=0.08, step_s=0.03, steps=72, on_step=record(0))
+    assert auto.traces["w0"].sync.auto.taus == auto.traces["w1"].sync.auto.taus
     for w in ("w0", "w1"):
         fixed, tuned = one.traces[w].sync, auto.traces[w].sync
         assert tuned.auto.taus[0] == 1 and max(tuned.auto.taus) > 1
@@ -143,6 +149,25 @@ def test_auto_overlap_hides_a_slow_exchange_that_tau_1_waits_for():
         late_tuned = waited[(0, w)][72] - waited[(0, w)][36]
         assert late_fixed > 0.15, fixed.stats.waits
         assert late_tuned < 0.2 * late_fixed, (tuned.stats.waits, tuned.auto.taus)
+
+
+def test_workers_with_different_links_agree_on_the_largest_proposal():
+    """w0's round trip is 0.15 s, w1's 0.02 s: each proposes its own tau in its
+    contribution's commit, and after every merge point both take the largest
+    proposal the mean counted, so they decide alike and send together."""
+    res = _slow_run("auto", delay={"w0": 0.15, "w1": 0.02}, step_s=0.03, steps=48)
+    taus = [res.traces[w].sync.auto.taus for w in ("w0", "w1")]
+    assert taus[0] == taus[1] and max(taus[0]) >= 4, taus  # 0.15 / 0.03 = 5 steps
+    ex = res.aggregator.exchange
+    proposals = []
+    for k in range(1, 48 // 6):  # merge point k decides point k + 1
+        p, r = (k - 1) % 2, (k - 1) // 2
+        got = {w: ex.delta_commit(p, r, w)["tau_next"] for w in ("w0", "w1")}
+        proposals.append(got)
+        assert taus[0][k] == max(got.values()), (k, got, taus[0])
+        sends = {ex.delta_commit(p, r, w)["step"] for w in ("w0", "w1")}
+        assert sends == {6 * k - taus[0][k - 1]}  # the same step for both
+    assert any(a["w0"] != a["w1"] for a in proposals), proposals  # they did differ
 
 
 def test_a_resumed_worker_replays_its_decided_taus_and_ends_bit_exact():
