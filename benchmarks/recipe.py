@@ -87,19 +87,19 @@ CODECS: dict[str, list[str]] = {
     "topk2": ["sync.codec_up=topk2", "sync.codec_down=int8", "sync.mean_from=aggregator"],
     "topk2-peers": ["sync.codec_up=topk2", "sync.mean_from=peers"],
     "topk4-peers": ["sync.codec_up=topk4", "sync.mean_from=peers"],
-    # sparse exchange pays off with frequent rounds: H = 10 with the k that keeps the
-    # upload 2,000x below data-parallel's at M = 2 (34) and at M = 4 (56)
-    "topk2-h10": ["sync.codec_up=topk2", "sync.mean_from=peers", "sync.sync_every=10",
-                  "sync.sparse_k=34"],
-    "topk2-h10-k56": ["sync.codec_up=topk2", "sync.mean_from=peers", "sync.sync_every=10",
-                      "sync.sparse_k=56"],
+    # sparse exchange pays off with frequent rounds: H = 8 with the k that keeps the
+    # upload 2,000x below data-parallel's at M = 2 (33) and at M = 4 (62)
+    "topk2-h8": ["sync.codec_up=topk2", "sync.mean_from=peers", "sync.sync_every=8",
+                 "sync.sparse_k=33"],
+    "topk2-h8-k62": ["sync.codec_up=topk2", "sync.mean_from=peers", "sync.sync_every=8",
+                     "sync.sparse_k=62"],
 }
 CODEC_LABELS = {"fp32": "float32", "int4": "int4 up / int8 down",
                 "topk2": "top-64/4096 2-bit up / int8 down",
                 "topk2-peers": "top-64/4096 2-bit up / peers down",
                 "topk4-peers": "top-64/4096 4-bit up / peers down",
-                "topk2-h10": "top-34/4096 2-bit up / peers down, H=10",
-                "topk2-h10-k56": "top-56/4096 2-bit up / peers down, H=10"}
+                "topk2-h8": "top-33/4096 2-bit up / peers down, H=8",
+                "topk2-h8-k62": "top-62/4096 2-bit up / peers down, H=8"}
 
 
 # -- data ----------------------------------------------------------------------------
