@@ -107,7 +107,8 @@ def estimate(
     steps: Annotated[int | None, typer.Option("--steps", min=1, help="inner steps")] = None,
     sync_every: Annotated[int | None, typer.Option("--sync-every", "-H")] = None,
     fragments: Annotated[int | None, typer.Option("--fragments", "-P")] = None,
-    overlap: Annotated[int | None, typer.Option("--overlap", help="tau")] = None,
+    overlap: Annotated[str | None, typer.Option(
+        "--overlap", help="tau: steps a round is in flight, or auto")] = None,
     codec_up: Annotated[str | None, typer.Option("--codec-up")] = None,
     codec_down: Annotated[str | None, typer.Option("--codec-down")] = None,
     mean_from: Annotated[str | None, typer.Option(
@@ -136,8 +137,11 @@ def estimate(
         raise fail("--params: give a parameter count (e.g. 1e9) or --config RECIPE_OR_YAML")
     if not step_time > 0:
         raise fail(f"--step-time: must be > 0 seconds, got {step_time}")
+    if overlap is not None and overlap != "auto" and not overlap.isdigit():
+        raise fail(f"--overlap: a whole number of steps or auto, got {overlap!r}")
+    tau = overlap if overlap in (None, "auto") else int(overlap)
     changes = {k: v for k, v in {
-        "sync_every": sync_every, "fragments": fragments, "overlap": overlap,
+        "sync_every": sync_every, "fragments": fragments, "overlap": tau,
         "codec_up": codec_up, "codec_down": codec_down, "mean_from": mean_from,
         "sparse_k": sparse_k, "sparse_density": sparse_density}.items() if v is not None}
     sync = _sync(base, changes)

@@ -122,6 +122,7 @@ class Setup:
     down: CodecSpec = field(default_factory=lambda: CodecSpec("none"))
     mean_from: MeanFrom = "aggregator"
     overlap: int = 0
+    hide_steps: int | None = None  # steps a round may take unseen (overlap: auto: H/P - 1)
     merge_alpha: float = 0.5
     momentum: bool = True  # the aggregator checkpoints a momentum buffer (mu > 0)
     residual: bool = False  # ... and a residual (error feedback on the down codec)
@@ -143,6 +144,8 @@ class Setup:
         return cls(params=params, workers=workers, steps=steps, sync_every=sync.sync_every,
                    fragments=sync.fragments, up=sync.up, down=sync.down,
                    mean_from=sync.way_down, overlap=sync.send_offset,
+                   hide_steps=(sync.sync_every // sync.fragments - 1
+                               if sync.auto_overlap else None),
                    merge_alpha=sync.merge_alpha, momentum=sync.mu > 0,
                    residual=sync.feedback(sync.codec_down) and sync.way_down == "aggregator",
                    step_time_s=step_time_s, **more)
@@ -304,7 +307,8 @@ def link_rates(s: Setup) -> dict[str, float]:
     big = max(s.fragment_sizes)
     one = sum(worker_round(s, big).wire())
     stride = s.sync_every // s.fragments
-    streaming = 8 * one / (s.overlap * t) if s.overlap else 8 * one / (stride * t * slack)
+    hide = s.overlap if s.hide_steps is None else s.hide_steps
+    streaming = 8 * one / (hide * t) if hide else 8 * one / (stride * t * slack)
     return {
         "data-parallel": 8 * dp / (t * slack),
         "diloco": 8 * total / (s.sync_every * t * slack),

@@ -4,6 +4,7 @@ agree with what a measured run counts (issue 17: within 5%)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -69,6 +70,18 @@ def test_data_parallel_and_link_rates_follow_the_formulas():
     assert max(s.fragment_sizes) - min(s.fragment_sizes) < 128
 
 
+def test_overlap_auto_may_hide_a_round_behind_every_step_but_one_of_its_stride():
+    """Under ``overlap: auto`` a round may take up to H/P - 1 steps unseen, so the link
+    it needs is what one fragment's round moves in those steps; rounds stay as tau 1."""
+    auto = ar.Setup.of(SyncConfig(sync_every=100, fragments=4, overlap="auto",
+                                  codec_up="int4", codec_down="int8"), 10**9, 8, 10_000)
+    fixed = ar.Setup.of(SyncConfig(sync_every=100, fragments=4, overlap=24,
+                                   codec_up="int4", codec_down="int8"), 10**9, 8, 10_000)
+    assert auto.overlap == 1 and auto.hide_steps == 24
+    assert ar.link_rates(auto)["streaming"] == pytest.approx(ar.link_rates(fixed)["streaming"])
+    assert ar.per_round(auto) == ar.per_round(replace(fixed, overlap=1))
+
+
 def test_peers_download_the_other_contributions_not_the_mean():
     base = ar.Setup(params=10**6, workers=4, fragments=1, up=CodecSpec("int4"),
                     down=CodecSpec("int8"))
@@ -115,6 +128,7 @@ def test_contenders_send_less_in_the_order_the_codecs_promise(in_process):
     (["--params", "1e9", "--mean-from", "peer"], "mean_from: Input should be 'aggregator'"),
     (["--params", "1e9", "--sparse-k", "5000"], "k: must be in [1, chunk = 4096]"),
     (["--params", "1e9", "--crossing", "moon"], "crossing: must be one of"),
+    (["--params", "1e9", "--overlap", "soon"], "--overlap: a whole number of steps or auto"),
     (["--params", "1e9", "--provider", "s3", "--worker-provider", "aws"],
      "use --crossing inter-region or none"),
     ([], "--params: give a parameter count"),
