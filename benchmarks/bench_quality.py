@@ -60,6 +60,7 @@ SWEEP: dict[str, list[tuple[float, float]]] = {
     "streaming-auto": [(0.4, 0.9), (0.7, 0.9), (1.0, 0.0)],
     "eager": [(0.7, 0.5), (0.7, 0.0), (1.0, 0.0)],
     "pure-eager": [(0.7, 0.5), (0.7, 0.0), (1.0, 0.0)],
+    "eager-tau12": [(0.7, 0.5), (0.7, 0.0), (1.0, 0.0)],
 }
 # the reference measurements (README, Results): the reference's gaps to data-parallel (M=2, 600 steps).
 REFERENCE_GAPS = {

@@ -67,12 +67,17 @@ MODES: dict[str, list[str]] = {
               "sync.overlap=1", "sync.alpha=0.5"],
     "pure-eager": ["sync.mode=eager", "sync.eager_rule=pure", "sync.fragments=2",
                    "sync.overlap=0"],
+    # never waits, and the means are on time: the best never-waiting setting of the
+    # eager sweep (benchmarks/results/eager-sweep.jsonl); needs H/P > 12
+    "eager-tau12": ["sync.mode=eager", "sync.eager_rule=adaptive", "sync.fragments=2",
+                    "sync.overlap=12", "sync.alpha=0.3"],
 }
 MODE_LABELS = {
     "data-parallel": "data-parallel",
     "diloco": "DiLoCo (blocking)",
     "streaming": "streaming (tau=1, alpha=0.5)",
     "streaming-auto": "streaming (overlap auto, alpha=0.5)",
+    "eager-tau12": "adaptive eager (tau=12, alpha=0.3)",
     "eager": "adaptive eager (tau=1, alpha=0.5)",
     "pure-eager": "pure eager (paper's rule)",
 }
