@@ -62,13 +62,14 @@ class SyncConfig(BaseModel):
         default=0, description="tau: steps a fragment is in flight; auto: each worker sizes "
         "it to its measured exchange latency (diloco/overlap.py)"
     )
-    overlap_start: int = Field(
-        default=1, description="overlap auto: tau before any latency is measured, and of "
-        "the rounds merging after the run's end"
+    overlap_start: int | None = Field(
+        default=None, description="overlap auto: tau before any latency is measured, and "
+        "of the rounds merging after the run's end (default H/P - 1: the first merges "
+        "do not wait either)"
     )
     overlap_margin: float = Field(
-        default=0.25, description="overlap auto: tau covers the worst recent latency plus "
-        "this fraction of it"
+        default=0.25, description="overlap auto: tau covers most recent latencies (their "
+        "75th percentile) plus this fraction of it"
     )
     alpha: float = Field(default=0.5, description="merge weight of the local side")
     pattern: Pattern = "strided"
@@ -195,7 +196,7 @@ class SyncConfig(BaseModel):
             # other eager rules merge before the mean arrives, which the workers'
             # agreement on tau needs (diloco/overlap.py)
             raise ValueError(f"overlap 'auto' needs mode streaming, got mode {self.mode!r}")
-        if self.overlap_start < 1:
+        if self.overlap_start is not None and self.overlap_start < 1:
             raise ValueError(f"overlap_start must be >= 1, got {self.overlap_start}")
         if not self.overlap_margin >= 0:  # also rejects NaN
             raise ValueError(f"overlap_margin must be >= 0, got {self.overlap_margin}")
@@ -204,7 +205,6 @@ class SyncConfig(BaseModel):
     def _check(self) -> SyncConfig:
         h, p = self.sync_every, self.fragments
         self._check_overlap()
-        tau = self.overlap_start if self.auto_overlap else self.overlap
         if h < 1:
             raise ValueError(f"sync_every (H) must be >= 1, got {h}")
         if p < 1:
@@ -215,6 +215,7 @@ class SyncConfig(BaseModel):
             raise ValueError(
                 f"sync_every (H) must be divisible by fragments (P): H = {h}, P = {p}"
             )
+        tau = self.send_offset if self.auto_overlap else self.overlap
         if not 0 <= tau < h // p:
             field = "overlap_start" if self.auto_overlap else "overlap (tau)"
             low = 1 if self.auto_overlap else 0
@@ -346,11 +347,14 @@ class SyncConfig(BaseModel):
     @property
     def send_offset(self) -> int:
         """Steps between a fragment's send and its merge (pure eager sends at the merge).
-        With ``overlap: auto`` the reference tau: ``overlap_start``, which fixes the
-        round counts (the workers' decisions keep it past the run's end)."""
+        With ``overlap: auto`` the reference tau: ``overlap_start`` (by default
+        H/P - 1), which fixes the round counts (the workers' decisions keep it past
+        the run's end)."""
         if self.mode == "eager" and self.eager_rule == "pure":
             return 0
         if self.auto_overlap:
+            if self.overlap_start is None:
+                return max(1, self.sync_every // self.fragments - 1)
             return self.overlap_start
         return int(self.overlap)
 

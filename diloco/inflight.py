@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
+from datetime import datetime
 
 import numpy as np
 import torch
@@ -87,12 +88,16 @@ class InFlight:
         stop: threading.Event | None = None,
         stop_patience_s: float = 10.0,
         on_stall: Callable[[int, int, float], None] | None = None,
-        on_arrival: Callable[[float], None] | None = None,
+        on_arrival: Callable[[float, float], None] | None = None,
+        poll_max: Callable[[float, float], float] | None = None,
     ):
         """``on_wait(seconds)`` is told every time a merge waited for a mean;
         ``on_stall(fragment, round, seconds)`` every ``stall_after_s`` while one
-        waits; ``on_arrival(seconds)`` when the mean of a round sent here reaches
-        this worker, the time since its send (`diloco.overlap` sizes tau by it);
+        waits; ``on_arrival(seconds, lag)`` when the mean of a round sent here
+        reaches this worker, the time since its send and how much of it the last
+        peer's send came after this worker's (`diloco.overlap` sizes tau by it);
+        ``poll_max(least, most)``: the longest pause between polls for a mean, else
+        ``poll_max_s``;
         ``stop`` and ``stop_patience_s`` as for `diloco.replica.Synchronizer`."""
         self.exchange = exchange
         self.worker = worker
@@ -108,6 +113,7 @@ class InFlight:
         self.stop_patience_s = stop_patience_s
         self.on_stall = on_stall
         self.on_arrival = on_arrival
+        self.poll_max = poll_max
         #: overlap auto: read the tau proposals of each mean's contributions
         self.agree = on_arrival is not None
         self._agreed: dict[tuple[int, int], int | None] = {}
@@ -156,8 +162,8 @@ class InFlight:
     def _poll_mean(self, p: int, r: int, sent_at: float | None = None
                    ) -> tuple[np.ndarray, dict]:
         """Poll until the mean of (p, r) is committed; ``on_arrival`` is told the time
-        since ``sent_at`` before the future is done, so a merge that waited on it
-        finds the measurement in place."""
+        since ``sent_at`` (and the lag behind the last peer's send) before the future
+        is done, so a merge that waited on it finds the measurement in place."""
         delay = self.config.poll_interval_s
         what = f"worker {self.worker}: wait for the mean of fragment {p} round {r}"
         while not self._closed.is_set():
@@ -165,19 +171,30 @@ class InFlight:
                           patience_s=self.config.outage_s, stop=self._closed.is_set,
                           pause_s=self.config.poll_max_s)
             if got is not None:
-                if sent_at is not None and self.on_arrival is not None:
-                    self.on_arrival(time.monotonic() - sent_at)
+                latency = None if sent_at is None else time.monotonic() - sent_at
+                lag = 0.0
                 if self.agree:
-                    self._agreed[(p, r)] = self._proposals(p, r, got[1])
+                    self._agreed[(p, r)], lag = self._proposals(p, r, got[1])
+                if latency is not None and self.on_arrival is not None:
+                    self.on_arrival(latency, lag)
                 return got
             self._closed.wait(delay)
-            delay = min(delay * 1.5, self.config.poll_max_s)
+            delay = min(delay * 1.5, self._poll_max())
         raise RuntimeError(f"worker {self.worker}: stopped while waiting for fragment {p} round {r}")
 
-    def _proposals(self, p: int, r: int, commit: dict) -> int | None:
+    def _poll_max(self) -> float:
+        """The longest pause between two polls for a mean (``overlap: auto``: one inner
+        step, `diloco.overlap.AutoOverlap.poll_max`)."""
+        if self.poll_max is None:
+            return self.config.poll_max_s
+        return self.poll_max(self.config.poll_interval_s, self.config.poll_max_s)
+
+    def _proposals(self, p: int, r: int, commit: dict) -> tuple[int | None, float]:
         """The largest ``tau_next`` of the contributions the mean counted on time
-        (weight keys without ``@``): the same for every worker, as the commits are."""
-        found = []
+        (weight keys without ``@``): the same for every worker, as the commits are;
+        and how long after this worker's commit the last of them was created (0 when
+        this worker's is not among them or a time is missing)."""
+        found, created = [], {}
         for w in sorted(k for k in commit.get("weights", {}) if "@" not in k):
             got = outlast(lambda w=w: self.exchange.delta_commit(p, r, w), log=log,
                           what=f"worker {self.worker}: read the tau proposal of {w}",
@@ -185,7 +202,12 @@ class InFlight:
                           pause_s=self.config.poll_max_s)
             if got.get("tau_next") is not None:
                 found.append(int(got["tau_next"]))
-        return max(found, default=None)
+            if got.get("created"):
+                created[w] = datetime.fromisoformat(got["created"])
+        lag = 0.0
+        if self.worker in created:
+            lag = (max(created.values()) - created[self.worker]).total_seconds()
+        return max(found, default=None), lag
 
     def agreed_tau(self, p: int, r: int) -> int | None:
         """The tau the workers agreed on after (p, r) (its mean must have arrived)."""

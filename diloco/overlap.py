@@ -10,9 +10,19 @@ outer gradient than it could. So each worker measures what it needs:
 - the inner-step time, wall time between two steps minus the time spent waiting
   for a mean.
 
-and proposes, at each send, the tau that would hide that latency (`decide_tau`: the
-steps that cover the longest of the last ``LATENCY_WINDOW`` latencies plus
-``overlap_margin`` of it, clamped to ``1 .. H/P - 1``). The proposal rides in the
+Two parts of a measured latency are left out of it. The lag behind the last
+peer's send (its contribution's commit was created that long after this worker's):
+a larger tau does not hide it for good, since a worker that sends ahead of the
+others either waits once and is in step with them again, or runs faster than they do
+and has to wait sooner or later whatever tau is; sizing tau to it only made the
+merges staler. And the coarse polls of a long wait: while ``overlap: auto`` is on,
+a worker polls for a mean at least once per inner step (not every ``poll_max_s``),
+so a mean is seen within a step of its commit.
+
+Each worker proposes, at each send, the tau that would hide that latency
+(`decide_tau`: the steps that cover a high quantile, ``LATENCY_QUANTILE``, of the
+last ``LATENCY_WINDOW`` latencies plus ``overlap_margin`` of it, clamped to
+``1 .. H/P - 1``). The proposal rides in the
 contribution's commit (``tau_next``). Right after merge point ``k`` every worker
 decides the tau of merge point ``k + 1`` the same way: the largest proposal of the
 workers the mean of point ``k`` counted on time (its commit names them), or point
@@ -22,7 +32,8 @@ aggregator's inbox for them (its latency would grow with its lead, and its tau w
 it) and, past the grace window, leave them out of the round. The send of point
 ``k + 1`` is at least one step after merge ``k`` (tau < H/P), so the decision always
 precedes it. Merge points 1 and 2 use ``overlap_start`` (no proposal has measured
-anything yet).
+anything yet; by default ``H/P - 1``, so that the first merges do not wait either:
+tau comes down to the measured need from point 3 on).
 
 Every decision is kept (`AutoOverlap.state_dict`, in the worker checkpoint), so a
 resumed worker replays the decided points exactly: a round already sent is not sent
@@ -38,20 +49,30 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-#: recent rounds whose latencies a decision covers (the worst of them)
+#: recent rounds whose latencies a decision covers
 LATENCY_WINDOW = 8
+#: the share of those latencies a decision hides (nearest rank: 6 of 8)
+LATENCY_QUANTILE = 0.75
 #: recent inner steps whose median is the step time
 STEP_WINDOW = 16
 
 
+def quantile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (an observed value: the max of up to 3 at 0.75)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
 def decide_tau(latencies: Sequence[float], step_s: float | None, *, margin: float,
-               start: int, most: int) -> int:
-    """The tau that hides the worst recent latency: ``ceil(max(latencies) * (1 +
+               start: int, most: int, q: float = LATENCY_QUANTILE) -> int:
+    """The tau that hides most recent latencies: ``ceil(quantile(latencies, q) * (1 +
     margin) / step_s)``, clamped to ``1 .. most`` (``most`` = H/P - 1, the
-    schedule's limit). Without a latency or a step time yet: ``start``."""
+    schedule's limit). Not the max: one slow round (a loaded machine, a retried
+    request) would make every merge of the next 8 rounds staler, each costing loss,
+    to save one wait. Without a latency or a step time yet: ``start``."""
     if not latencies or step_s is None or not step_s > 0:
         return max(1, min(most, start))
-    need = max(latencies) * (1.0 + margin) / step_s
+    need = quantile(latencies, q) * (1.0 + margin) / step_s
     return max(1, min(most, math.ceil(need)))
 
 
@@ -68,6 +89,7 @@ class AutoOverlap:
         self.latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self.step_times: deque[float] = deque(maxlen=STEP_WINDOW)
         self._last_step: tuple[float, float] | None = None  # (clock, waited so far)
+        self._step_s: float | None = None  # read by the pollers' threads
 
     def tau_of(self, k: int) -> int:
         """The tau decided for merge point ``k`` (which must be decided)."""
@@ -88,17 +110,25 @@ class AutoOverlap:
         if self._last_step is not None:
             then, waited_then = self._last_step
             self.step_times.append(max(0.0, (now - then) - (waited_s - waited_then)))
+            self._step_s = sorted(self.step_times)[len(self.step_times) // 2]
         self._last_step = (now, waited_s)
 
-    def arrived(self, latency_s: float) -> None:
-        """A round's mean reached this worker ``latency_s`` after its send."""
-        self.latencies.append(latency_s)
+    def arrived(self, latency_s: float, lag_s: float = 0.0) -> None:
+        """A round's mean reached this worker ``latency_s`` after its send, ``lag_s``
+        of it spent waiting for the last peer's send (not what tau hides: module
+        docstring)."""
+        self.latencies.append(max(0.0, latency_s - max(0.0, lag_s)))
 
     def step_s(self) -> float | None:
         """The median recent inner-step time (None before two steps)."""
-        if not self.step_times:
-            return None
-        return sorted(self.step_times)[len(self.step_times) // 2]
+        return self._step_s
+
+    def poll_max(self, poll_min_s: float, poll_max_s: float) -> float:
+        """The longest pause between two polls for a mean: one inner step (within
+        ``poll_min_s .. poll_max_s``), so a mean is seen within a step of its commit
+        and its measured latency is not the poll's backoff."""
+        step = self._step_s
+        return poll_max_s if step is None else max(poll_min_s, min(poll_max_s, step))
 
     # -- decisions ---------------------------------------------------------------
     def propose(self) -> int:
@@ -137,3 +167,5 @@ class AutoOverlap:
         self.taus = [int(t) for t in state["taus"]]
         self.latencies.extend(float(x) for x in state.get("latencies", []))
         self.step_times.extend(float(x) for x in state.get("step_times", []))
+        if self.step_times:
+            self._step_s = sorted(self.step_times)[len(self.step_times) // 2]

@@ -137,7 +137,7 @@ class Synchronizer:
         self.stats = SyncStats()
         #: overlap auto: tau per merge point, decided from measured latencies
         self.auto = None if not self.config.auto_overlap else AutoOverlap(
-            self.schedule.stride, self.total_steps, start=self.config.overlap_start,
+            self.schedule.stride, self.total_steps, start=self.config.send_offset,
             margin=self.config.overlap_margin)
         init = load_initial(exchange, len(plan))
         self.outer = [OuterState(v, self.config.eta, self.config.mu) for v in init]
@@ -147,7 +147,8 @@ class Synchronizer:
         self.inflight = InFlight(exchange, worker, len(plan), self.config,
                                  self.stats.record_wait, stop=stop,
                                  stop_patience_s=stop_patience_s, on_stall=on_stall,
-                                 on_arrival=self.auto.arrived if self.auto else None)
+                                 on_arrival=self.auto.arrived if self.auto else None,
+                                 poll_max=self.auto.poll_max if self.auto else None)
         self._next_round = [0] * len(plan)
         self._tokens = 0
         self._tokens_at_send = [0] * len(plan)

@@ -37,6 +37,30 @@ def test_decide_tau_clamps_to_the_schedule_and_starts_without_measurements():
     assert decide_tau([0.5], None, margin=0.25, start=2, most=9) == 2
 
 
+def test_decide_tau_hides_a_high_quantile_not_one_slow_round():
+    # 6th of 8: one round of 2 s (a retried request) does not make 8 merges staler
+    lat = [0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 2.0]
+    assert decide_tau(lat, 0.1, margin=0.0, start=1, most=14) == 3
+    assert decide_tau(lat, 0.1, margin=0.0, start=1, most=14, q=1.0) == 14  # the max
+    assert decide_tau([0.3, 2.0, 0.3], 0.1, margin=0.0, start=1, most=30) == 20  # few: max
+
+
+def test_the_lag_behind_the_last_peer_and_the_poll_pause_are_not_sized_into_tau():
+    now = [0.0]
+    auto = AutoOverlap(stride=15, total_steps=90, start=14, margin=0.0, clock=lambda: now[0])
+    assert auto.poll_max(0.05, 0.5) == 0.5  # no step time yet: the configured pause
+    for _ in range(3):
+        now[0] += 0.1
+        auto.stepped(waited_s=0.0)
+    auto.arrived(1.0, lag_s=0.7)  # 0.7 s of the 1.0 s waited for the peer's send
+    auto.arrived(0.3, lag_s=-0.2)  # this worker sent last: all of it is the link
+    assert list(auto.latencies) == pytest.approx([0.3, 0.3])
+    assert auto.propose() == 3
+    assert auto.poll_max(0.05, 0.5) == pytest.approx(0.1)  # a poll per inner step
+    assert auto.poll_max(0.2, 0.5) == 0.2
+    assert auto.taus == [14]  # before any measurement: the start
+
+
 def test_auto_overlap_proposes_from_its_measurements_and_takes_the_agreed_tau():
     now = [0.0]
     auto = AutoOverlap(stride=10, total_steps=40, start=1, margin=0.0, clock=lambda: now[0])
@@ -77,7 +101,9 @@ def test_schedule_with_per_point_taus_sends_each_round_tau_steps_before_its_merg
 # -- configuration ------------------------------------------------------------------------
 def test_overlap_accepts_auto_and_refuses_what_cannot_use_it():
     cfg = SyncConfig(sync_every=12, fragments=2, overlap="auto")
-    assert cfg.auto_overlap and cfg.send_offset == 1  # overlap_start: the round counts
+    assert cfg.auto_overlap and cfg.send_offset == 5  # overlap_start H/P - 1: round counts
+    assert SyncConfig(sync_every=12, fragments=2, overlap="auto",
+                      overlap_start=2).send_offset == 2
     assert SyncConfig(overlap="3").overlap == 3  # a --set value arrives as text
     cases = [
         (dict(overlap="often"), "must be an integer tau or 'auto'"),
@@ -126,9 +152,10 @@ def _slow_run(overlap, *, delay: float | dict[str, float], step_s: float, steps:
 
 def test_auto_overlap_hides_a_slow_exchange_that_tau_1_waits_for():
     """Round trips of ~0.1 s against inner steps of 0.03 s: with tau = 1 every merge
-    waits for its mean; with auto the workers grow tau (up to H/P - 1 = 5) and, after
-    the first rounds, stop waiting. (The final rounds, sent and merged at the end,
-    wait in both: the training steps' waits are compared.)"""
+    waits for its mean; with auto the workers start at H/P - 1 = 5, then take the tau
+    the link needs (0.08 s * 1.25 / 0.03 s: 4 steps, not more) and stop waiting.
+    (The final rounds, sent and merged at the end, wait in both: the training
+    steps' waits are compared.)"""
     waited: dict[tuple[int, str], dict[int, float]] = {}
 
     def record(run):
@@ -140,8 +167,10 @@ def test_auto_overlap_hides_a_slow_exchange_that_tau_1_waits_for():
     assert auto.traces["w0"].sync.auto.taus == auto.traces["w1"].sync.auto.taus
     for w in ("w0", "w1"):
         fixed, tuned = one.traces[w].sync, auto.traces[w].sync
-        assert tuned.auto.taus[0] == 1 and max(tuned.auto.taus) > 1
-        assert all(1 <= t <= 5 for t in tuned.auto.taus)
+        assert tuned.auto.taus[:2] == [5, 5]  # overlap_start: H/P - 1
+        measured = tuned.auto.taus[2:-1]  # the last point merges past the run's end
+        assert measured and all(3 <= t <= 5 for t in measured), tuned.auto.taus
+        assert min(measured) < 5, tuned.auto.taus  # sized to the link, not the ceiling
         assert tuned.overlaps == tuned.auto.current(2)
         assert fixed.stats.rounds_merged == tuned.stats.rounds_merged
         # steps 37..72: six merges, each waiting ~0.05 s at tau = 1
