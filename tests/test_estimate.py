@@ -72,14 +72,20 @@ def test_data_parallel_and_link_rates_follow_the_formulas():
 
 def test_overlap_auto_may_hide_a_round_behind_every_step_but_one_of_its_stride():
     """Under ``overlap: auto`` a round may take up to H/P - 1 steps unseen, so the link
-    it needs is what one fragment's round moves in those steps; rounds stay as tau 1."""
+    it needs is what one fragment's round moves in those steps; rounds count as with
+    the reference tau, ``overlap_start`` (by default H/P - 1)."""
     auto = ar.Setup.of(SyncConfig(sync_every=100, fragments=4, overlap="auto",
                                   codec_up="int4", codec_down="int8"), 10**9, 8, 10_000)
     fixed = ar.Setup.of(SyncConfig(sync_every=100, fragments=4, overlap=24,
                                    codec_up="int4", codec_down="int8"), 10**9, 8, 10_000)
-    assert auto.overlap == 1 and auto.hide_steps == 24
+    assert auto.overlap == 24 and auto.hide_steps == 24
     assert ar.link_rates(auto)["streaming"] == pytest.approx(ar.link_rates(fixed)["streaming"])
-    assert ar.per_round(auto) == ar.per_round(replace(fixed, overlap=1))
+    assert ar.per_round(auto) == ar.per_round(fixed)
+    started = ar.Setup.of(SyncConfig(sync_every=100, fragments=4, overlap="auto",
+                                     overlap_start=1, codec_up="int4", codec_down="int8"),
+                          10**9, 8, 10_000)
+    assert started.overlap == 1 and ar.per_round(started) == ar.per_round(
+        replace(fixed, overlap=1))
 
 
 def test_peers_download_the_other_contributions_not_the_mean():
