@@ -27,7 +27,7 @@ a round builds a backlog that staleness shows). Data-parallel at low caps runs f
 steps (enough for ``--dp-budget`` seconds of all-reduce at the cap's rate) since
 every step costs the same; its eval loss is then not comparable and left out.
 ``streaming-auto`` is streaming with ``overlap: auto`` (diloco/overlap.py): its row
-shows the tau each worker had decided per fragment at the end of the rung.
+shows the tau of every merge point (in order) that each worker's commits record.
 """
 
 from __future__ import annotations
@@ -151,14 +151,30 @@ class Bench:
 
 
 def final_taus(run_url: str, opts: dict, workers: list[str]) -> dict[str, list[int]]:
-    """``overlap: auto``: each worker's tau per fragment at the end, from its status
-    (`workers.report.taus`); empty for a fixed tau."""
+    """``overlap: auto``: the tau of every merge point of the run, per worker, as its
+    contributions' commits record it (merge step minus the send ``step``), in merge
+    order; empty for a fixed tau. The workers agree, so the lists match."""
+    import json  # noqa: PLC0415
+
+    from storage import layout  # noqa: PLC0415
     from storage.objectstore import ObjectStore  # noqa: PLC0415
-    from workers.status import read_status  # noqa: PLC0415
 
     store = ObjectStore(run_url, storage_options=opts)
-    found = {w: (read_status(store, w) or {}).get("tau") for w in workers}
-    return {w: list(t) for w, t in found.items() if t}
+    manifest = json.loads(store.get(layout.MANIFEST))
+    sync = manifest["sync"]
+    if sync.get("overlap") != "auto":
+        return {}
+    h, frags, steps = sync["sync_every"], sync["fragments"], manifest["total_steps"]
+    stride = h // frags
+    out: dict[str, list[int]] = {}
+    for w in workers:
+        taus = []
+        for k in range(1, steps // stride + 1):  # merge points within the run
+            p, r = (k - 1) % frags, (k - 1) // frags
+            commit = json.loads(store.get(layout.delta_commit(p, r, w)))
+            taus.append(k * stride - int(commit["step"]))
+        out[w] = taus
+    return out
 
 
 def summarise(contender: Contender, cap: float | None, steps: int, eval_loss: float,
@@ -308,7 +324,7 @@ def markdown(report: dict[str, Any]) -> str:
     head = ["cap", "contender", "steps", "compute s / step", "utilisation (steady)",
             "with drain", "drain s",
             "max staleness", "eval loss", "wire up / down per step", "link busy", "keeps 95%",
-            "tau (auto)"]
+            "tau per merge point (auto)"]
     table = []
     for r in res["rows"]:
         full = r["steps"] == s["steps"]
@@ -322,7 +338,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['wire_bytes_per_step']['down'] / 1e3:.1f} kB",
             "" if r["link_busy"] is None else f"{r['link_busy']:.0%}",
             "yes" if r["keeps_95"] else "no",
-            " ".join(f"{w}: {'/'.join(map(str, t))}" for w, t in r.get("taus", {}).items())])
+            " ".join(f"{w}: {','.join(map(str, t))}" for w, t in r.get("taus", {}).items())])
     lines += [md_table(head, table), ""]
     lines.append(md_table(
         ["contender", "lowest cap keeping 95%"],
