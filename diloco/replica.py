@@ -28,7 +28,7 @@ from diloco.inflight import InFlight, MergeAbandoned, Round
 from diloco.outer import OuterState
 from diloco.overlap import AutoOverlap
 from diloco.run import load_initial
-from diloco.schedule import Schedule
+from diloco.schedule import Event, Schedule
 from storage.errors import TransientStoreError
 from storage.exchange import Exchange
 from storage.spec import RunManifest
@@ -193,8 +193,18 @@ class Synchronizer:
             self.auto.stepped(self.stats.wait_seconds)
             for event in events:
                 if event.kind == "merge":  # decide the next merge point's tau now
-                    self.auto.merged(event.step // self.schedule.stride,
-                                     self.inflight.agreed_tau(event.fragment, event.round))
+                    self._decide_tau(event)
+
+    def _decide_tau(self, event: Event) -> None:
+        """``overlap: auto``: after merge point k, the tau of point k + 1 (logged when it
+        changes, with what this worker measured: the latency a decision reads)."""
+        k = event.step // self.schedule.stride
+        self.auto.merged(k, self.inflight.agreed_tau(event.fragment, event.round))
+        if len(self.auto.taus) > k and self.auto.taus[k] != self.auto.taus[k - 1]:
+            log.info("worker %s: tau %d for merge point %d (was %d; own latencies %s s, "
+                     "inner step %.3f s)", self.worker, self.auto.taus[k], k + 1,
+                     self.auto.taus[k - 1], [round(x, 2) for x in self.auto.latencies],
+                     self.auto.step_s() or 0.0)
 
     @property
     def overlaps(self) -> list[int]:
