@@ -214,6 +214,11 @@ class TrainConfig(_Strict):
         description="data_parallel: the baseline, gradients all-reduced every step",
     )
     threads: int = Field(default=0, ge=0, description="torch threads per worker; 0 = default")
+    island: Literal["replicate", "fsdp"] = Field(
+        default="replicate",
+        description="a worker of several torchrun processes: replicate the model on each "
+                    "(gradients all-reduced) or shard it with FSDP2 (fully_shard)",
+    )
     log_model: bool = Field(
         default=True,
         description="when the run finishes, log its canonical model (safetensors, "

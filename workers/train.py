@@ -40,6 +40,8 @@ from storage.retry import outlast
 from workers import checkpoint, elastic, report
 from workers.config import RunConfig
 from workers.data.streams import WorkerStream, open_dataset, val_batches
+from workers.island import ShardedIsland
+from workers.island import make as make_island
 from workers.model import Transformer, build_model, describe
 from workers.status import StatusBoard
 
@@ -156,13 +158,6 @@ def _autocast(device: torch.device):
     return nullcontext()
 
 
-def _average_gradients(model: Transformer, size: int) -> None:
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            p.grad.div_(size)
-
-
 class WorkerLoop:
     """One worker's training, from a run in the store to its final rounds."""
 
@@ -227,6 +222,10 @@ class WorkerLoop:
                 log.info("worker %s: fragment %d: %d parameters in %d tensors (%s ...)",
                          worker, frag.index, frag.numel, len(frag.params),
                          ", ".join(frag.names[:3]))
+        # train.island fsdp: the model is sharded over the island's ranks from here on
+        self.island = make_island(self.model, self.plan, self.exchange,
+                                  self.cfg.train.island if self._uses_sync() else "replicate",
+                                  self.group.rank, self.group.size, self.cfg.sync.auto_overlap)
 
         self.seat = elastic.take_seat(
             self.store, manifest, self.cfg, worker, join=join, claim=claim,
@@ -264,12 +263,12 @@ class WorkerLoop:
     def _restore(self) -> None:
         saved = checkpoint.load(self.ckpt_store, self.worker)
         if self._uses_sync() and self.group.leader:
-            self.sync = Synchronizer(self.model, self.exchange, self.worker, self.plan,
+            self.sync = Synchronizer(self.island.mirror, self.exchange, self.worker, self.plan,
                                      initialise=saved is None, stop=self.stop,
                                      stop_patience_s=self.stop_patience_s,
                                      on_stall=self._waiting, joined=self.seat.joined,
                                      heal=self.group.size == 1)
-        elif self._uses_sync() or self.cfg.train.strategy == "data_parallel":
+        elif not isinstance(self.island, ShardedIsland):  # it loaded them already
             # followers and the baseline start from the run's initial parameters too
             for p, v in enumerate(load_initial(self.exchange, len(self.plan))):
                 self.plan.scatter(self.model, p, v)
@@ -279,8 +278,7 @@ class WorkerLoop:
                 elastic.catch_up(self, fresh=True, reason="starting behind the run")
             return
         step, state = saved
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
+        self.island.load_state(self.opt, state["model"], state["optimizer"])
         self.stream.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"])
         if self.sync is not None:
@@ -294,12 +292,14 @@ class WorkerLoop:
             elastic.catch_up(self, fresh=False, reason="resumed behind the run")
 
     def save(self) -> None:
-        # an island saves once (rank 0); in the baseline every rank is a worker
+        # an island saves once (rank 0; a sharded one gathers its state to rank 0 first);
+        # in the baseline every rank is a worker
+        model_state, opt_state = self.island.whole_state(self.opt)
         if not (self.group.leader or self.cfg.train.strategy == "data_parallel"):
             return
         state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.opt.state_dict(),
+            "model": model_state,
+            "optimizer": opt_state,
             "data": self.stream.state_dict(),
             "rng": torch.get_rng_state(),
             "tokens": self.tokens,
@@ -323,14 +323,6 @@ class WorkerLoop:
             lo = self.group.rank * n
             x, y = x[lo : lo + n], y[lo : lo + n]
         return x.to(self.device), y.to(self.device)
-
-    def _broadcast_merged(self, step: int) -> None:
-        """Inside an island: after rank 0 merged a fragment, every rank takes it."""
-        for event in self.schedule.events(step):
-            if event.kind != "merge":
-                continue
-            for spec in self.plan[event.fragment].params:  # a piece: its whole tensor
-                dist.broadcast(dict(self.model.named_parameters())[spec.name].data, src=0)
 
     def run(self) -> WorkerResult:
         """Train to the end; the status board says ``failed`` if anything raises."""
@@ -391,13 +383,14 @@ class WorkerLoop:
                 (loss / accum).backward()
                 loss_sum += float(loss.detach()) / accum
             if self.group.size > 1:
-                _average_gradients(self.model, self.group.size)
+                self.island.average_gradients()
                 t = torch.tensor([loss_sum], dtype=torch.float64)
                 dist.all_reduce(t)
                 loss_sum = float(t) / self.group.size
             if cfg.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
             self.opt.step()
+            merged = self.island.before_sync(self.schedule, step, self.sync) if island > 1 else []
             if self.sync is not None:
                 try:
                     self.sync.step(tokens=tokens_per_step)
@@ -409,8 +402,7 @@ class WorkerLoop:
             self.step = step
             self.tokens += tokens_per_step
             window_tokens += tokens_per_step
-            if island > 1:
-                self._broadcast_merged(step)
+            self.island.scatter(merged)  # every rank takes the fragments rank 0 merged
             losses.append(loss_sum)
 
             if step % cfg.train.log_every == 0 or step == total:
@@ -426,12 +418,12 @@ class WorkerLoop:
             if elastic.merged_at(self, step) and elastic.asked_to_leave(self):
                 return self._leave(start, losses)
 
+        if island > 1:
+            self.island.gather(range(len(self.plan)))
         if self.sync is not None:
             self.sync.finish()
-        if island > 1:
-            named = dict(self.model.named_parameters())
-            for name in self.plan.param_names():  # a split parameter once, not per piece
-                dist.broadcast(named[name].data, src=0)
+        if island > 1:  # every fragment: finish merges whatever was outstanding
+            self.island.scatter(range(len(self.plan)))
         eval_loss = evaluate(self.model, self.val, self.device)
         self.metrics({"worker": self.worker, "step": self.step, "eval_loss": eval_loss,
                       "final": True})

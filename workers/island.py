@@ -1,0 +1,181 @@
+"""An FSDP2 island: the processes of one worker shard its model (``train.island: fsdp``).
+
+Inside a region, a worker that is several torchrun processes either replicates the
+model on every rank (``replicate``: gradients all-reduced, DDP-like) or shards it with
+``torch.distributed.fsdp.fully_shard`` (per transformer block, then the root), so a
+model whose parameters, gradients and AdamW state do not fit one device trains.
+
+The outer machinery (the `Synchronizer`, the exchange protocol, the aggregator)
+works on whole fragments, so rank 0 keeps a *mirror*: an unsharded float32 copy of
+the model on the CPU, which is what the synchroniser reads and writes. Around a step
+with a send or merge of fragment p every rank takes part in gathering p's parameters
+(``DTensor.full_tensor()``) into the mirror, and after a merge rank 0 scatters the
+new values of p back, each rank keeping its shard (``distribute_tensor``). Only the
+fragments due at that step move, one parameter at a time, so a device never holds
+more than one whole parameter beyond its shards; rank 0's host holds the mirror
+beside the outer state (both float32, the model's size each). Why this and not each
+rank handling its shards' part of every fragment: that would cut every contribution
+into per-rank pieces the store, the aggregator and the codecs would all have to know
+about; measured costs in /work/brief19/out/fsdp.md.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from diloco.fragments import FragmentPlan, find_blocks
+from diloco.run import load_initial
+from diloco.schedule import Schedule
+
+
+class Island:
+    """A replicated island (``train.island: replicate``, or one process): every rank
+    holds the whole model; gradients are all-reduced, merged fragments broadcast."""
+
+    def __init__(self, model: nn.Module, plan: FragmentPlan, rank: int, size: int,
+                 auto: bool = False):
+        self.model, self.plan, self.rank, self.size, self.auto = model, plan, rank, size, auto
+        self.mirror: nn.Module = model  # what the synchroniser reads and writes
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def average_gradients(self) -> None:
+        """The island's mean gradient on every rank (its ranks' batch slices are equal)."""
+        if self.size == 1:
+            return
+        for p in self.model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+                p.grad.div_(self.size)
+
+    def events(self, schedule: Schedule, step: int, sync) -> tuple[list[int], list[int]]:
+        """(fragments with a send or merge at ``step``, fragments merged at it). With
+        ``overlap: auto`` only rank 0 (``sync``) knows tau, so it tells the others."""
+        tau_of = sync.auto.tau_of if sync is not None and sync.auto is not None else None
+
+        def mine() -> tuple[list[int], list[int]]:
+            evs = schedule.events(step, tau_of)
+            return (sorted({e.fragment for e in evs}),
+                    sorted({e.fragment for e in evs if e.kind == "merge"}))
+        if self.size == 1 or not self.auto:
+            return mine()
+        box = [mine() if self.leader else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def before_sync(self, schedule: Schedule, step: int, sync) -> list[int]:
+        """Every rank, after the inner step: the fragments rank 0 will merge now."""
+        return [] if self.size == 1 else self.events(schedule, step, sync)[1]
+
+    def gather(self, fragments: Iterable[int]) -> None:
+        """Rank 0's mirror is the model itself: nothing to gather."""
+
+    @torch.no_grad()
+    def scatter(self, fragments: Iterable[int]) -> None:
+        """Every rank takes rank 0's values of these fragments."""
+        if self.size == 1:
+            return
+        named = dict(self.model.named_parameters())
+        for name in self._names(fragments):
+            dist.broadcast(named[name].data, src=0)
+
+    def _names(self, fragments: Iterable[int]) -> list[str]:
+        """Each parameter of these fragments once (a split tensor moves whole)."""
+        return list(dict.fromkeys(s.name for p in fragments for s in self.plan[p].params))
+
+    def whole_state(self, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """The model's and the inner optimizer's state to checkpoint."""
+        return self.model.state_dict(), opt.state_dict()
+
+    def load_state(self, opt: torch.optim.Optimizer, model_sd: dict, opt_sd: dict) -> None:
+        self.model.load_state_dict(model_sd)
+        opt.load_state_dict(opt_sd)
+
+
+class ShardedIsland(Island):
+    """The sharded model of one island and rank 0's unsharded mirror of it."""
+
+    def __init__(self, model: nn.Module, plan: FragmentPlan, rank: int, initial: list,
+                 auto: bool = False):
+        """``model``: the plain model, on its device, identical on every rank;
+        ``initial``: the run's initial fragments, loaded into it before sharding (so
+        every rank starts from the run's parameters, as replicated islands do);
+        ``auto``: the run's ``overlap: auto`` (tau known to rank 0 only)."""
+        for p, flat in enumerate(initial):
+            plan.scatter(model, p, flat)
+        super().__init__(model, plan, rank, dist.get_world_size(), auto)
+        self.mirror = copy.deepcopy(model).cpu() if rank == 0 else None
+        found = find_blocks(model)
+        for block in (found[1] if found else []):
+            fully_shard(block)
+        fully_shard(model)
+        self._named = dict(model.named_parameters())
+        self._mirrored = dict(self.mirror.named_parameters()) if self.mirror is not None else {}
+
+    # -- moving fragments between the shards and the mirror ---------------------------
+    @torch.no_grad()
+    def gather(self, fragments: Iterable[int]) -> None:
+        """Every rank: the whole values of these fragments into rank 0's mirror."""
+        for name in self._names(fragments):
+            full = self._named[name].full_tensor()  # a collective: all ranks, same order
+            if self.leader:
+                self._mirrored[name].copy_(full)
+
+    @torch.no_grad()
+    def scatter(self, fragments: Iterable[int]) -> None:
+        """Every rank: take its shard of rank 0's mirror values of these fragments."""
+        for name in self._names(fragments):
+            param = self._named[name]
+            assert isinstance(param, DTensor)
+            if self.leader:
+                full = self._mirrored[name].to(param.device, param.dtype)
+            else:  # only its shape matters: rank 0 scatters the values
+                full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            shard = distribute_tensor(full, param.device_mesh, param.placements)
+            param.to_local().copy_(shard.to_local())
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def average_gradients(self) -> None:
+        """fully_shard reduce-scatters the mean gradient in backward already."""
+
+    def before_sync(self, schedule: Schedule, step: int, sync) -> list[int]:
+        """Every rank, after the inner step: the fragments sent or merged now go whole
+        into rank 0's mirror; returns those rank 0 will merge (to `scatter` after)."""
+        due, merged = self.events(schedule, step, sync)
+        self.gather(due)
+        return merged
+
+    def whole_state(self, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """Every rank (a collective): the model's and the inner optimizer's whole state,
+        on rank 0's CPU (other ranks get empty dicts), keyed by parameter name."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_state_dict(self.model, opt, options=opts)
+
+    def load_state(self, opt: torch.optim.Optimizer, model_sd: dict, opt_sd: dict) -> None:
+        """Every rank: restore the sharded model and optimizer from whole state dicts
+        (each rank keeps its shards)."""
+        set_state_dict(self.model, opt, model_state_dict=model_sd, optim_state_dict=opt_sd,
+                       options=StateDictOptions(full_state_dict=True))
+
+
+def make(model: nn.Module, plan: FragmentPlan, exchange, island: str, rank: int, size: int,
+         auto: bool = False) -> Island:
+    """The island of this process: sharded for ``train.island: fsdp`` on more than one
+    process, else replicated (one process has nothing to shard across)."""
+    if island != "fsdp" or size == 1:
+        return Island(model, plan, rank, size, auto)
+    return ShardedIsland(model, plan, rank, load_initial(exchange, len(plan)), auto)
