@@ -38,32 +38,50 @@ from storage.zarr_codec import zarr_array_codecs
 MAX_CHUNK = 1 << 26
 
 
-def _chunks(shape: tuple[int, ...], spec: CodecSpec | None) -> tuple[int, ...]:
+def _chunks(shape: tuple[int, ...], spec: CodecSpec | None, parts: int = 1,
+            align: int = 64) -> tuple[int, ...]:
     """One zarr chunk up to MAX_CHUNK values; above, the fewest chunks of at most
     about MAX_CHUNK values that split n evenly in whole codec blocks (whole sparse
     chunks for topk*), so the block grid is the one-chunk grid and zarr's padding of
     the last chunk is under one block per chunk (a 250M-value fragment is 4 chunks
     of 62.5M, not 4 of 67.1M). The padding changes nothing for the dense codecs; a
-    sparse last chunk shorter than C then keeps k entries (zeros too), not min(k, L)."""
-    if len(shape) != 1 or shape[0] <= MAX_CHUNK:
+    sparse last chunk shorter than C then keeps k entries (zeros too), not min(k, L).
+
+    ``parts`` > 1 (an aggregator of that many shards): a multiple of ``parts``
+    chunks, each a whole number of blocks and of ``align`` values (64, and the
+    blocks of the codec the mean goes down with), so every shard reads
+    whole chunk objects and its slice of the vector starts where the one-chunk grid
+    has a block boundary (the same bits, K = 1 or K = 4)."""
+    if len(shape) != 1 or (shape[0] <= MAX_CHUNK and parts <= 1):
         return tuple(max(1, d) for d in shape) if shape else ()
     if spec is None:
         b = 1
     else:
         b = spec.chunk if spec.is_sparse else spec.block_size
-    parts = math.ceil(shape[0] / MAX_CHUNK)
-    return (b * math.ceil(math.ceil(shape[0] / parts) / b),)
+    count = math.ceil(shape[0] / MAX_CHUNK)
+    if parts > 1:
+        b = math.lcm(b, align)
+        count = parts * math.ceil(count / parts)
+    return (max(b, b * math.ceil(math.ceil(shape[0] / count) / b)),)
+
+
+def chunk_grid(n: int, spec: CodecSpec | None, parts: int = 1,
+               align: int = 64) -> tuple[int, int]:
+    """(values per zarr chunk, number of chunks) of a coded vector of ``n`` values
+    written for an aggregator of ``parts`` shards."""
+    (size,) = _chunks((n,), spec, parts, align)
+    return size, max(1, math.ceil(n / size))
 
 
 def _zarr_array(objects: dict, shape: tuple[int, ...], dtype: np.dtype,
-                codec: CodecSpec | None) -> zarr.Array:
+                codec: CodecSpec | None, parts: int = 1, align: int = 64) -> zarr.Array:
     kwargs = zarr_array_codecs(codec) if codec is not None else {
         "compressors": [zarr.codecs.Crc32cCodec()]
     }
     return zarr.create_array(
         store=MemoryStore(objects),
         shape=shape,
-        chunks=_chunks(shape, codec),
+        chunks=_chunks(shape, codec, parts, align),
         dtype=dtype,
         fill_value=0,
         config={"write_empty_chunks": True},
@@ -80,7 +98,8 @@ def _metadata(n: int, codec: CodecSpec) -> bytes:
 
 
 def encode_array(
-    prefix: str, x: np.ndarray, codec: CodecSpec | None = None
+    prefix: str, x: np.ndarray, codec: CodecSpec | None = None, parts: int = 1,
+    align: int = 64,
 ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]], np.ndarray]:
     """Encode ``x`` as a zarr array in memory: (objects by key, record, decoded value).
 
@@ -91,20 +110,21 @@ def encode_array(
     A coded vector that fits one chunk (the usual case) is built directly: the
     chunk is the codec's payload followed by its crc32c, exactly what zarr writes
     (a test holds the two paths byte-identical), and the decoded value comes from
-    the codec's round trip instead of a second pass through zarr.
+    the codec's round trip instead of a second pass through zarr. ``parts``: cut
+    into a multiple of that many chunks (see `_chunks`), for a sharded aggregator.
     """
     x = np.asarray(x, order="C")  # keeps 0-d arrays 0-d (ascontiguousarray would not)
     if not x.dtype.isnative:
         x = x.astype(x.dtype.newbyteorder("="))
     if codec is not None and (x.ndim != 1 or x.dtype != np.float32):
         raise ValueError(f"coded arrays are 1-D float32, got {x.dtype} {x.shape}")
-    if codec is not None and 0 < x.size <= MAX_CHUNK:
+    if codec is not None and 0 < x.size <= MAX_CHUNK and parts <= 1:
         payload, decoded = roundtrip(x, codec)
         crc = np.array([google_crc32c.value(payload)], dtype="<u4").tobytes()
         blobs = {f"{prefix}/zarr.json": _metadata(x.size, codec), f"{prefix}/c/0": payload + crc}
     else:
         objects: dict = {}
-        arr = _zarr_array(objects, x.shape, x.dtype, codec)
+        arr = _zarr_array(objects, x.shape, x.dtype, codec, parts, align)
         arr[...] = x
         decoded = np.asarray(arr[...]) if codec is not None else x
         blobs = {f"{prefix}/{k}": v.to_bytes() for k, v in objects.items()}
@@ -151,32 +171,7 @@ def read_array(
     NonFiniteValues; never returns data that failed a check.
     """
     label = what or store.full_url(prefix)
-    if "zarr.json" not in record:
-        raise CorruptObject(f"{label}: its record lists no zarr.json ({store.full_url(prefix)})")
-    keys = [f"{prefix}/{k}" for k in record]
-    try:
-        blobs = store.get_many(keys)
-    except ObjectMissing as exc:
-        raise PartialObject(f"{label}: a part is missing: {exc}") from exc
-    proto = default_buffer_prototype().buffer
-    contents = {}
-    for name, meta in record.items():
-        key = f"{prefix}/{name}"
-        data = blobs.get(key)
-        if data is None:
-            raise PartialObject(f"{label}: part {store.full_url(key)} is missing")
-        if len(data) != meta["size"]:
-            raise PartialObject(
-                f"{label}: part {store.full_url(key)} has {len(data)} bytes, "
-                f"its commit says {meta['size']}"
-            )
-        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
-            raise CorruptObject(f"{label}: part {store.full_url(key)} fails its sha256 check")
-        contents[name] = proto.from_bytes(data)
-    try:
-        arr = zarr.open_array(store=MemoryStore(contents, read_only=True), mode="r")
-    except Exception as exc:
-        raise CorruptObject(f"{label}: not a readable zarr array: {exc}") from exc
+    arr = _open_verified(store, prefix, record, list(record), label)
     # zarr 3.1 reads a chunk that is absent as the fill value: every chunk the array
     # has must be in the record, or the read would silently produce zeros.
     if all(arr.shape):
@@ -193,6 +188,80 @@ def read_array(
         raise ShapeMismatch(f"{label}: dtype {arr.dtype}, expected {np.dtype(dtype)}")
     try:
         out = np.asarray(arr[...])
+    except NonFiniteValues as exc:
+        raise NonFiniteValues(f"{label}: {exc}; it is not applied") from exc
+    except Exception as exc:
+        raise CorruptObject(f"{label}: cannot be decoded: {exc}") from exc
+    if finite and not np.isfinite(out).all():
+        bad = int((~np.isfinite(out)).sum())
+        raise NonFiniteValues(f"{label}: {bad} NaN or Inf values; it is not applied")
+    return out
+
+
+def _open_verified(store: ObjectStore, prefix: str, record: dict[str, dict[str, Any]],
+                   names: list[str], label: str) -> zarr.Array:
+    """Fetch the objects ``names`` of the record (zarr.json among them), check each
+    one's size and sha256, and open them as a read-only zarr array."""
+    if "zarr.json" not in record:
+        raise CorruptObject(f"{label}: its record lists no zarr.json ({store.full_url(prefix)})")
+    for name in names:
+        if name not in record:
+            raise PartialObject(
+                f"{label}: chunk {store.full_url(f'{prefix}/{name}')} is not in its record")
+    keys = [f"{prefix}/{k}" for k in names]
+    try:
+        blobs = store.get_many(keys)
+    except ObjectMissing as exc:
+        raise PartialObject(f"{label}: a part is missing: {exc}") from exc
+    proto = default_buffer_prototype().buffer
+    contents = {}
+    for name in names:
+        meta = record[name]
+        key = f"{prefix}/{name}"
+        data = blobs.get(key)
+        if data is None:
+            raise PartialObject(f"{label}: part {store.full_url(key)} is missing")
+        if len(data) != meta["size"]:
+            raise PartialObject(
+                f"{label}: part {store.full_url(key)} has {len(data)} bytes, "
+                f"its commit says {meta['size']}"
+            )
+        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            raise CorruptObject(f"{label}: part {store.full_url(key)} fails its sha256 check")
+        contents[name] = proto.from_bytes(data)
+    try:
+        return zarr.open_array(store=MemoryStore(contents, read_only=True), mode="r")
+    except Exception as exc:
+        raise CorruptObject(f"{label}: not a readable zarr array: {exc}") from exc
+
+
+def read_array_part(
+    store: ObjectStore,
+    prefix: str,
+    record: dict[str, dict[str, Any]],
+    chunks: range,
+    *,
+    n: int,
+    chunk_len: int,
+    finite: bool = True,
+    what: str = "",
+) -> np.ndarray:
+    """Fetch, verify and decode only the zarr chunks ``chunks`` of a coded vector of
+    ``n`` values cut into chunks of ``chunk_len`` (a shard of the aggregator reads
+    its own chunk objects and nothing else): the float32 values they hold."""
+    label = what or store.full_url(prefix)
+    names = ["zarr.json", *(f"c/{c}" for c in chunks)]  # zarr 3's default chunk keys
+    arr = _open_verified(store, prefix, record, names, label)
+    if tuple(arr.shape) != (n,) or tuple(arr.chunks) != (chunk_len,):
+        raise ShapeMismatch(f"{label}: shape {tuple(arr.shape)} in chunks of {arr.chunks}, "
+                            f"expected ({n},) in chunks of ({chunk_len},)")
+    if np.dtype(arr.dtype) != np.float32:
+        raise ShapeMismatch(f"{label}: dtype {arr.dtype}, expected float32")
+    if any(arr.metadata.encode_chunk_key((c,)) != f"c/{c}" for c in chunks):
+        raise CorruptObject(f"{label}: its chunks are not named c/<i>")
+    lo, hi = chunks.start * chunk_len, min(n, chunks.stop * chunk_len)
+    try:
+        out = np.asarray(arr[lo:hi])
     except NonFiniteValues as exc:
         raise NonFiniteValues(f"{label}: {exc}; it is not applied") from exc
     except Exception as exc:

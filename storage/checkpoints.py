@@ -53,12 +53,21 @@ def write_checkpoint(
 def read_checkpoint(
     store: ObjectStore, commit_key: str
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Read and verify a committed checkpoint: (arrays, meta)."""
+    """Read and verify a committed checkpoint: (arrays, meta). A checkpoint of a
+    sharded aggregator names its parts (``parts``: the shards' checkpoint commits,
+    in order), whose arrays are concatenated."""
     raw = store.get(commit_key)
     try:
         body = json.loads(raw)
     except ValueError as exc:
         raise CorruptObject(f"{store.full_url(commit_key)} is not valid JSON") from exc
+    if body.get("parts"):
+        pieces = [read_checkpoint(store, key)[0] for key in body["parts"]]
+        names = set(pieces[0])
+        if any(set(p) != names for p in pieces):
+            raise CorruptObject(f"{store.full_url(commit_key)}: its parts hold different arrays")
+        return ({n: np.concatenate([p[n] for p in pieces]) for n in sorted(names)},
+                body.get("meta", {}))
     arrays = {}
     for name, entry in body["arrays"].items():
         arrays[name] = read_array(

@@ -40,6 +40,7 @@ from storage.errors import (
     StoreError,
 )
 from storage.objectstore import ObjectStore
+from storage.shards import read_sharded_mean, shard_align, shard_count
 from storage.spec import RunManifest
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,9 @@ class Exchange:
         self.manifest = manifest
         self.up = manifest.codec_up.spec()
         self.down = manifest.codec_down.spec()
+        #: the aggregator's shards (``aggregator.shards``): deltas are cut into a
+        #: multiple of this many zarr chunks, and means are published in this many parts
+        self.shards = shard_count(manifest.config)
 
     # -- helpers -----------------------------------------------------------------
     @staticmethod
@@ -181,7 +185,8 @@ class Exchange:
         what = f"delta of worker {worker} for fragment {fragment} round {round}"
         self._check_vector(fragment, x, what)
         payload = layout.delta_payload(fragment, round, worker, _nonce())
-        blobs, record, decoded = encode_array(payload, x, self.up)
+        blobs, record, decoded = encode_array(payload, x, self.up, self.shards,
+                                              shard_align(self.down))
         return Prepared(fragment, round, worker, payload, blobs, record, decoded)
 
     def publish_prepared(
@@ -281,6 +286,8 @@ class Exchange:
         what = f"mean of fragment {fragment} round {round}"
         if commit.get("mean_from") == "peers":
             return self._peers_mean(fragment, round, commit, known or {}, what), commit
+        if commit.get("shards", 1) > 1:  # the parts of a sharded aggregator, assembled
+            return read_sharded_mean(self, fragment, round, commit), commit
         self._check_binding(
             commit, layout.mean_commit(fragment, round), kind="mean", fragment=fragment,
             round=round, party=("writer", commit.get("writer")),
@@ -337,6 +344,17 @@ class Exchange:
     ) -> tuple[np.ndarray, dict[str, Any]]:
         """Fetch and verify one committed contribution. Raises a StoreError subclass
         (PartialObject, CorruptObject, ShapeMismatch, NonFiniteValues) if it is bad."""
+        commit, what = self.delta_record(fragment, round, worker)
+        value = read_array(
+            self.store, commit["payload"], commit["objects"],
+            shape=(self.manifest.numel(fragment),), dtype=np.float32, finite=True, what=what,
+        )
+        return value, commit
+
+    def delta_record(self, fragment: int, round: int, worker: str
+                     ) -> tuple[dict[str, Any], str]:
+        """A contribution's commit record, checked (binding, size, codec) before any of
+        its payload is read: (record, how errors name it)."""
         what = f"delta of worker {worker} for fragment {fragment} round {round}"
         commit = self.delta_commit(fragment, round, worker)
         self._check_binding(
@@ -350,11 +368,7 @@ class Exchange:
         codec = commit.get("codec", {})
         if codec != self._codec_record(self.up):
             raise CorruptObject(f"{what}: codec {codec}, the run uses {self.up}")
-        value = read_array(
-            self.store, commit["payload"], commit["objects"],
-            shape=(n,), dtype=np.float32, finite=True, what=what,
-        )
-        return value, commit
+        return commit, what
 
     def publish_mean(
         self,

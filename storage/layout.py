@@ -17,6 +17,9 @@
     frag/{p}/r{round}/mean/{writer}/{nonce}/     a mean (zarr array)
     frag/{p}/r{round}/mean.json                  the one commit of the mean (create-only)
     frag/{p}/r{round}/rejected/{worker}.json     why a contribution was not used
+    frag/{p}/r{round}/decision.json              sharded (K > 1): shard 0's decision
+    frag/{p}/r{round}/check/{s}/{worker}.json    sharded: shard s's check of its chunks
+    frag/{p}/r{round}/part/{s}.json              sharded: shard s's part of the mean
     global/frag/{p}/r{round}.json, .../r{round}/ canonical state after a round (pruned)
     members/aggregator.json, members/aggregator/status.json
     members/{worker}/admission.json              a joiner admitted: its data slot (create-only)
@@ -109,6 +112,27 @@ def mean_commit(fragment: int, round: int) -> str:
     return f"{round_prefix(fragment, round)}/mean.json"
 
 
+def decision(fragment: int, round: int) -> str:
+    """Shard 0's decision of a round of a sharded aggregator (which contributions, with
+    which weights), which every shard follows."""
+    return f"{round_prefix(fragment, round)}/decision.json"
+
+
+def shard_check(fragment: int, round: int, shard: int, worker: str) -> str:
+    """A shard's check of its chunks of a contribution (sum of squares, or why bad)."""
+    return f"{round_prefix(fragment, round)}/check/{shard}/{worker}.json"
+
+
+def mean_part(fragment: int, round: int, shard: int) -> str:
+    """The commit of a shard's part of a mean."""
+    return f"{round_prefix(fragment, round)}/part/{shard}.json"
+
+
+def global_part(fragment: int, round: int, shard: int) -> str:
+    """A shard's part of the canonical state after a round (its commit: + .json)."""
+    return f"{global_state(fragment, round)}/s{shard}"
+
+
 def rejected(fragment: int, round: int, worker: str) -> str:
     return f"{round_prefix(fragment, round)}/rejected/{worker}.json"
 
@@ -183,6 +207,7 @@ FIELDS = {
     "nonce": r"[^/]+",
     "step": r"[0-9]+",
     "stamp": r"[^/]+",
+    "shard": r"[0-9]+",
     "path": r".+",  # the objects of a zarr array, or of a prepared dataset
 }
 _FIELD = re.compile(r"\{(\w+)\}")
@@ -248,7 +273,7 @@ class KeyPattern:
         """A key of this kind (``worker``'s, for a worker's key), for checks and docs."""
         sample = {"fragment": "0", "round": "r000003", "worker": worker,
                   "writer": AGGREGATOR, "nonce": "5f0c2a9e41b7", "step": "00000008",
-                  "stamp": "20260101T000000000000Z", "path": "params/c/0"}
+                  "stamp": "20260101T000000000000Z", "shard": "1", "path": "params/c/0"}
         return _FIELD.sub(lambda m: sample[m[1]], self.template)
 
 
@@ -266,6 +291,12 @@ KEYS: tuple[KeyPattern, ...] = (
     KeyPattern("frag/{fragment}/{round}/mean/{writer}/{nonce}/{path}", AGGREGATOR,
                "a mean", collected=True),
     KeyPattern("frag/{fragment}/{round}/mean.json", AGGREGATOR, "the commit of a mean"),
+    KeyPattern("frag/{fragment}/{round}/decision.json", AGGREGATOR,
+               "a sharded aggregator's decision (shard 0)"),
+    KeyPattern("frag/{fragment}/{round}/check/{shard}/{worker}.json", AGGREGATOR,
+               "a shard's check of its chunks of a contribution"),
+    KeyPattern("frag/{fragment}/{round}/part/{shard}.json", AGGREGATOR,
+               "the commit of a shard's part of a mean"),
     KeyPattern("frag/{fragment}/{round}/rejected/{worker}.json", AGGREGATOR,
                "why a worker's contribution was rejected"),
     KeyPattern("global/frag/{fragment}/{round}.json", AGGREGATOR,

@@ -78,6 +78,10 @@ def test_every_key_the_layout_builds_is_declared_once_with_its_writer():
         layout.mean_payload(2, 13, "aggregator", "5f0c") + "/c/0": "aggregator",
         layout.mean_commit(2, 13): "aggregator",
         layout.rejected(2, 13, "eu"): "aggregator",
+        layout.decision(2, 13): "aggregator",
+        layout.shard_check(2, 13, 1, "eu"): "aggregator",
+        layout.mean_part(2, 13, 3): "aggregator",
+        layout.global_part(2, 13, 3) + ".json": "aggregator",
         layout.global_commit(2, 13): "aggregator",
         layout.global_state(2, 13) + "/5f0c/params/zarr.json": "aggregator",
         layout.member(layout.AGGREGATOR): "aggregator",
@@ -319,8 +323,12 @@ def test_every_key_of_the_run_is_declared_and_only_its_owner_may_write_it(role_r
     unused = {p.template for p in layout.KEYS} - seen
     # (the cancel request is in the listing taken while the run was cancelled; the
     # train job's status holds the run's size after gc)
-    # no contribution was bad, and no worker joined or left (tests/test_elastic.py)
+    # no contribution was bad, and no worker joined or left (tests/test_elastic.py);
+    # the aggregator is not sharded (tests/test_aggregator_shards.py)
     assert unused == {"frag/{fragment}/{round}/rejected/{worker}.json",
+                      "frag/{fragment}/{round}/decision.json",
+                      "frag/{fragment}/{round}/part/{shard}.json",
+                      "frag/{fragment}/{round}/check/{shard}/{worker}.json",
                       "control/leave/{worker}.json", "members/{worker}/admission.json",
                       "members/{worker}/left.json"}, unused
     assert len(role_run["keys"]) > 100

@@ -1,0 +1,194 @@
+"""A sharded aggregator (aggregator.shards: K): K = 1 and K = 4 reach the same bits
+(canonical state, momentum, residual and every mean), each shard reads only its own
+chunk objects, bad contributions are rejected by all shards alike, and a shard
+killed and restarted continues to the same bits."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from diloco.aggregator import Aggregator
+from diloco.config import SyncConfig
+from diloco.run import latest_global, new_run, open_exchange
+from diloco.shards import ShardAggregator
+from replicas import Blocks
+from storage import layout
+from storage.checkpoints import read_checkpoint
+from storage.objectstore import ObjectStore
+from storage.shards import fetch_delta_part, span
+
+CFG = SyncConfig(mode="diloco", sync_every=2, fragments=2, codec_up="int4", codec_down="int4",
+                 block_size=32, norm_guard=5.0, norm_guard_warmup=1)
+ROUNDS = 4
+WORKERS = ("w0", "w1", "w2")
+
+
+def model() -> nn.Module:
+    return Blocks(width=48, depth=4)  # fragments of about 4,700 values
+
+
+def make_run(shards: int, bad: dict[tuple[int, int, str], str] | None = None) -> str:
+    """A run with every contribution of every round committed up front: the same
+    values whatever K (seeded per fragment, round and worker); ``bad`` spoils some."""
+    u = f"memory://shards/{uuid.uuid4().hex}"
+    new_run(ObjectStore(u), model(), CFG, workers=list(WORKERS), total_steps=2 * ROUNDS,
+            user_config={"aggregator": {"shards": shards}})
+    ex = open_exchange(ObjectStore(u))
+    for p, rounds in enumerate(ex.manifest.rounds):
+        for r in range(rounds):
+            for i, w in enumerate(WORKERS):
+                rng = np.random.default_rng(1000 * r + 10 * p + i)
+                x = rng.standard_normal(ex.manifest.numel(p)).astype(np.float32) * 0.01
+                how = (bad or {}).get((p, r, w))
+                if how == "huge":
+                    x *= 1000
+                commit = ex.publish_delta(p, r, w, x, tokens=10 + i).commit
+                if how == "corrupt":  # its last chunk: only the last shard reads it
+                    last = max(k for k in commit["objects"] if k.startswith("c/"))
+                    key = f"{commit['payload']}/{last}"
+                    blob = bytearray(ex.store.get(key))
+                    blob[-1] ^= 0xFF
+                    ex.store.put(key, bytes(blob))
+    return u
+
+
+def aggregate(u: str, shards: int, fault=None) -> list[Aggregator]:
+    """Run the aggregator (K = 1) or its K shards, each in its own thread, to the end."""
+    if shards == 1:
+        agg = Aggregator(open_exchange(ObjectStore(u)))
+        agg.run(timeout=20.0, poll_interval=0.01)
+        return [agg]
+    out: list[Aggregator | None] = [None] * shards
+    errors: list[BaseException] = []
+
+    def one(s: int) -> None:
+        try:
+            while True:
+                a = ShardAggregator(open_exchange(ObjectStore(u)), shard=s,
+                                    fault=fault and (lambda st, p, r, s=s: fault(s, st, p, r)))
+                try:
+                    a.run(timeout=20.0, poll_interval=0.01)
+                    out[s] = a
+                    return
+                except Killed:
+                    continue
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in range(shards)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40.0)
+    assert not errors, errors
+    return out
+
+
+class Killed(Exception):
+    pass
+
+
+def store_rounds(u: str) -> list[int]:
+    return open_exchange(ObjectStore(u)).manifest.rounds
+
+
+def canonical(u: str) -> list[dict[str, np.ndarray]]:
+    ex = open_exchange(ObjectStore(u))
+    return [read_checkpoint(ex.store, latest_global(ex, p)[1])[0]
+            for p in range(len(ex.manifest.fragments))]
+
+
+def means(u: str) -> list[tuple[np.ndarray, dict]]:
+    ex = open_exchange(ObjectStore(u))
+    return [ex.fetch_mean(p, r) for p in range(len(ex.manifest.fragments))
+            for r in range(ex.manifest.rounds[p])]
+
+
+def assert_same_bits(u1: str, u4: str) -> None:
+    for a, b in zip(canonical(u1), canonical(u4), strict=True):
+        assert sorted(a) == sorted(b) == ["momentum", "params", "residual"]
+        for name in a:
+            assert a[name].tobytes() == b[name].tobytes(), name
+    for (m1, c1), (m4, c4) in zip(means(u1), means(u4), strict=True):
+        assert m1.tobytes() == m4.tobytes()
+        assert c1["weights"] == c4["weights"] and c1["rejected"].keys() == c4["rejected"].keys()
+        assert c4["shards"] == 4 and "shards" not in c1
+
+
+def test_one_and_four_shards_give_the_same_bits():
+    u1, u4 = make_run(1), make_run(4)
+    [one] = aggregate(u1, 1)
+    shards = aggregate(u4, 4)
+    assert_same_bits(u1, u4)
+    for p in range(2):  # the shards' slices in memory are the canonical state too
+        whole = torch.cat([s.canonical(p) for s in shards])
+        assert torch.equal(whole, one.canonical(p))
+    # K = 1 keeps today's layout: no decision, parts or checks
+    keys = ObjectStore(u1).list("frag")
+    assert not [k for k in keys if "/part/" in k or "/check/" in k or "decision" in k]
+    assert all(k.endswith(("/c/0", "zarr.json", ".json")) for k in keys)
+
+
+def test_a_shard_reads_only_its_own_chunk_objects():
+    u = make_run(4)
+    ex = open_exchange(ObjectStore(u))
+    got: list[str] = []
+    real = ex.store.get_many
+
+    def counting(keys, *a, **k):
+        got.extend(keys)
+        return real(keys, *a, **k)
+
+    ex.store.get_many = counting
+    sp = span(ex, 0, 2)
+    assert len(sp.chunks) == 1 and sp.lo > 0
+    part, _ = fetch_delta_part(ex, 0, 0, "w1", sp)
+    assert sorted(k.split("/", 6)[-1] for k in got) == ["c/2", "zarr.json"], got
+    whole, _ = ex.fetch_delta(0, 0, "w1")
+    assert part.tobytes() == whole[sp.lo:sp.hi].tobytes()
+
+
+def test_bad_contributions_are_rejected_by_every_shard_alike():
+    """A chunk only the last shard reads is corrupt, and a contribution is huge, which
+    the norm guard sees only through the shards' summed squares: both rejected in
+    K = 4 as in K = 1, with the same means and state."""
+    bad = {(0, 1, "w2"): "corrupt", (1, 2, "w0"): "huge"}
+    u1, u4 = make_run(1, bad), make_run(4, bad)
+    aggregate(u1, 1)
+    aggregate(u4, 4)
+    assert_same_bits(u1, u4)
+    ex = open_exchange(ObjectStore(u4))
+    assert list(ex.rejections(0, 1)) == ["w2"]
+    assert ex.rejections(0, 1)["w2"].startswith("CorruptObject")
+    assert list(ex.rejections(1, 2)) == ["w0"]
+    assert ex.rejections(1, 2)["w0"].startswith("OutsizedContribution")
+    assert "w2" not in ex.fetch_mean(0, 1)[1]["weights"]
+
+
+@pytest.mark.parametrize("stage", ["published", "stepped", "checkpointed"])
+def test_a_killed_shard_resumes_to_the_same_bits(stage):
+    u1, u4 = make_run(1), make_run(4)
+    aggregate(u1, 1)
+    kills = {(2, stage, 0, 1), (0, stage, 1, 2), (3, stage, 1, 0)}
+    lock = threading.Lock()
+
+    def fault(shard, st, p, r):
+        with lock:
+            if (shard, st, p, r) in kills:
+                kills.discard((shard, st, p, r))
+                raise Killed(f"shard {shard}: {st} {p} {r}")
+
+    aggregate(u4, 4, fault)
+    assert not kills
+    assert_same_bits(u1, u4)
+    # every shard's parts are create-only: one commit per (fragment, round, shard)
+    store = ObjectStore(u4)
+    for p in range(2):
+        for r in range(store_rounds(u4)[p]):
+            assert all(store.exists(layout.mean_part(p, r, s)) for s in range(4))
