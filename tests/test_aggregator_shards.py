@@ -33,11 +33,12 @@ def model() -> nn.Module:
     return Blocks(width=48, depth=4)  # fragments of about 4,700 values
 
 
-def make_run(shards: int, bad: dict[tuple[int, int, str], str] | None = None) -> str:
+def make_run(shards: int, bad: dict[tuple[int, int, str], str] | None = None,
+             cfg: SyncConfig = CFG) -> str:
     """A run with every contribution of every round committed up front: the same
     values whatever K (seeded per fragment, round and worker); ``bad`` spoils some."""
     u = f"memory://shards/{uuid.uuid4().hex}"
-    new_run(ObjectStore(u), model(), CFG, workers=list(WORKERS), total_steps=2 * ROUNDS,
+    new_run(ObjectStore(u), model(), cfg, workers=list(WORKERS), total_steps=2 * ROUNDS,
             user_config={"aggregator": {"shards": shards}})
     ex = open_exchange(ObjectStore(u))
     for p, rounds in enumerate(ex.manifest.rounds):
@@ -192,3 +193,21 @@ def test_a_killed_shard_resumes_to_the_same_bits(stage):
     for p in range(2):
         for r in range(store_rounds(u4)[p]):
             assert all(store.exists(layout.mean_part(p, r, s)) for s in range(4))
+
+
+def test_the_peers_way_down_with_shards_carries_the_decision_only():
+    """mean_from: peers with top-k up: the parts commit no payload, the mean a reader
+    sums from the contributions is the K = 1 mean, and the state is the same."""
+    cfg = SyncConfig(mode="diloco", sync_every=2, fragments=2, codec_up="topk2",
+                     codec_down="none", sparse_chunk=512, sparse_k=16, mean_from="peers")
+    u1, u4 = make_run(1, cfg=cfg), make_run(4, cfg=cfg)
+    aggregate(u1, 1)
+    aggregate(u4, 4)
+    for a, b in zip(canonical(u1), canonical(u4), strict=True):
+        assert a["params"].tobytes() == b["params"].tobytes()
+        assert a["momentum"].tobytes() == b["momentum"].tobytes()
+    for (m1, c1), (m4, c4) in zip(means(u1), means(u4), strict=True):
+        assert m1.tobytes() == m4.tobytes()
+        assert c4["mean_from"] == "peers" and c1["weights"] == c4["weights"]
+    store = ObjectStore(u4)
+    assert not [k for k in store.list("frag") if "/mean/" in k]
