@@ -42,6 +42,7 @@ from workers.config import RunConfig
 from workers.data.streams import WorkerStream, open_dataset, val_batches
 from workers.island import ShardedIsland
 from workers.island import make as make_island
+from workers.losslog import LossLog
 from workers.model import Transformer, build_model, describe
 from workers.status import StatusBoard
 
@@ -352,7 +353,7 @@ class WorkerLoop:
         # tokens this worker (island) processes per inner step; the baseline's workers
         # each draw their own batch too, so both strategies see the same tokens
         tokens_per_step = self.seat.batch_size * cfg.data.seq_len * accum
-        losses: list[float] = []
+        losses = LossLog()
         start = time.perf_counter()
         window_start, window_tokens = start, 0
         eval_loss = None
@@ -366,6 +367,7 @@ class WorkerLoop:
             return self._leave(start, losses)
         while self.step < total:
             if self.stop.is_set():
+                losses.flush()
                 self.save()
                 self._status("interrupted", force=True, loss=losses[-1] if losses else None,
                              resumes_from=self.step)
@@ -375,18 +377,17 @@ class WorkerLoop:
             for group in self.opt.param_groups:
                 group["lr"] = lr
             self.opt.zero_grad(set_to_none=True)
-            loss_sum = 0.0
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             for _ in range(accum):
                 x, y = self._batch()
                 with _autocast(self.device):
                     _, loss = self.model(x, y)
                 (loss / accum).backward()
-                loss_sum += float(loss.detach()) / accum
+                loss_sum += loss.detach().double() / accum
             if self.group.size > 1:
                 self.island.average_gradients()
-                t = torch.tensor([loss_sum], dtype=torch.float64)
-                dist.all_reduce(t)
-                loss_sum = float(t) / self.group.size
+                dist.all_reduce(loss_sum)
+                loss_sum /= self.group.size
             if cfg.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
             self.opt.step()
@@ -403,9 +404,10 @@ class WorkerLoop:
             self.tokens += tokens_per_step
             window_tokens += tokens_per_step
             self.island.scatter(merged)  # every rank takes the fragments rank 0 merged
-            losses.append(loss_sum)
+            losses.add(loss_sum)
 
             if step % cfg.train.log_every == 0 or step == total:
+                loss_sum = losses.flush()[-1]
                 now = time.perf_counter()
                 self._report(step, loss_sum, lr, window_tokens / max(1e-9, now - window_start))
                 window_start, window_tokens = now, 0
@@ -427,7 +429,7 @@ class WorkerLoop:
         eval_loss = evaluate(self.model, self.val, self.device)
         self.metrics({"worker": self.worker, "step": self.step, "eval_loss": eval_loss,
                       "final": True})
-        self._status("finished", force=True, loss=losses[-1] if losses else None,
+        self._status("finished", force=True, loss=losses.flush()[-1] if losses else None,
                      eval_loss=eval_loss)
         return self._result(start, losses, eval_loss)
 
@@ -444,9 +446,10 @@ class WorkerLoop:
             rebases=self.sync.stats.rebases if self.sync else 0,
         )
 
-    def _leave(self, start: float, losses: list[float]) -> WorkerResult:
+    def _leave(self, start: float, losses: LossLog) -> WorkerResult:
         """``diloco leave``: at a merge point, commit, record, stop."""
         elastic.leave(self)
+        losses.flush()
         self._status("left", force=True, loss=losses[-1] if losses else None)
         self.sync.close()
         return self._result(start, losses, None, state="left")
