@@ -75,6 +75,8 @@ class ShardAggregator(Aggregator):
         #: (p, k, worker) -> this shard's good slice of a contribution it checked
         self._parts: dict[tuple[int, int, str], np.ndarray] = {}
         self._seen: set[tuple[int, int, str]] = set()
+        #: shard 0: (tokens, sum of squares, why bad) of its chunks of a contribution
+        self._own: dict[tuple[int, int, str], tuple[int, float | None, str | None]] = {}
         #: shard 0: rounds whose mean.json or whole checkpoint is still to commit
         self._assembling: dict[tuple[int, int], dict] = {}
         super().__init__(exchange, name=name, **kwargs)
@@ -116,12 +118,16 @@ class ShardAggregator(Aggregator):
     # -- the loop ------------------------------------------------------------------
     def poll_once(self) -> bool:
         if self.shard == 0:
-            progressed = super().poll_once()
+            checked = any([self._check_open(p, r) for p, r in enumerate(self.next_round)
+                           if r < self.manifest.rounds[p]])
+            progressed = super().poll_once() or checked
         else:  # follows shard 0: no roster, no gate of its own
             progressed = False
             for p in range(len(self.outer)):
                 while self.next_round[p] < self.manifest.rounds[p] and self._try_round(p):
                     progressed = True
+                if self.next_round[p] < self.manifest.rounds[p]:
+                    progressed = self._check_open(p, self.next_round[p]) or progressed
         return self._assemble() or progressed
 
     def _assemble(self) -> bool:
@@ -139,23 +145,31 @@ class ShardAggregator(Aggregator):
         return done
 
     # -- checking contributions --------------------------------------------------------
-    def _check_open(self, p: int, r: int) -> None:
-        """Shards 1..K-1: check their chunks of every committed contribution of the
-        rounds shard 0 may decide next (late ones of the last ``max_staleness`` too)."""
+    def _check_open(self, p: int, r: int) -> bool:
+        """Read this shard's chunks of every committed contribution of the rounds shard
+        0 may decide next (late ones of the last ``max_staleness`` too), all shards at
+        once: shards 1..K-1 commit their verdict, shard 0 keeps its own for its
+        decision. True if there was a new one (progress: the poll does not back off)."""
+        checked = False
         first = max(0, r - self.config.max_staleness)
         for k in range(first, min(r + 2, self.manifest.rounds[p])):
             for w in self.exchange.committed_workers(p, k):
                 if (p, k, w) in self._seen:
                     continue
+                tokens, reason, sumsq = 0, None, None
                 try:
-                    value = fetch_delta_part(self.exchange, p, k, w, self.spans[p])[0]
-                except BAD_CONTRIBUTION as exc:
-                    write_check(self.exchange, p, k, w, self.shard, None,
-                                f"{type(exc).__name__}: {exc}")
-                else:
+                    value, commit = fetch_delta_part(self.exchange, p, k, w, self.spans[p])
+                    tokens, sumsq = int(commit.get("tokens", 0)), _sumsq(value)
                     self._parts[(p, k, w)] = value
-                    write_check(self.exchange, p, k, w, self.shard, _sumsq(value), None)
+                except BAD_CONTRIBUTION as exc:
+                    reason = f"{type(exc).__name__}: {exc}"
+                if self.shard == 0:
+                    self._own[(p, k, w)] = (tokens, sumsq, reason)
+                else:
+                    write_check(self.exchange, p, k, w, self.shard, sumsq, reason)
                 self._seen.add((p, k, w))
+                checked = True
+        return checked
 
     def _checks(self, p: int, k: int, w: str) -> list[dict] | None:
         checks = [read_check(self.exchange, p, k, w, s) for s in range(1, self.exchange.shards)]
@@ -177,15 +191,15 @@ class ShardAggregator(Aggregator):
             checks = self._checks(p, k, w)
         if checks is None:
             raise ShardsBehind(f"fragment {p} round {k}: worker {w}'s chunks are not all checked")
-        reason, tokens, norm, value = None, 0, 0.0, None
-        try:
-            value, commit = fetch_delta_part(self.exchange, p, k, w, self.spans[p])
-            tokens = int(commit.get("tokens", 0))
-        except BAD_CONTRIBUTION as exc:
-            reason = f"{type(exc).__name__}: {exc}"
+        if (p, k, w) not in self._own:  # read since (a restart, or committed just now)
+            self._seen.discard((p, k, w))
+            self._check_open(p, k)
+        tokens, sumsq, reason = self._own.pop((p, k, w))
+        value = self._parts.pop((p, k, w), None)
+        norm = 0.0
         reason = reason or next((c["reason"] for c in checks if c.get("reason")), None)
         if reason is None:
-            norm = math.sqrt(_sumsq(value) + sum(float(c["sumsq"]) for c in checks))
+            norm = math.sqrt(sumsq + sum(float(c["sumsq"]) for c in checks))
             try:
                 self._guard(p, k, w, norm)
             except OutsizedContribution as exc:
@@ -256,7 +270,6 @@ class ShardAggregator(Aggregator):
         dec, inbox = decision(self.exchange, p, r), None
         if dec is None:
             if self.shard != 0:
-                self._check_open(p, r)
                 return False
             dec, inbox = self._decide(p, r)
             if dec is None:
@@ -317,7 +330,13 @@ class ShardAggregator(Aggregator):
                          {"fragment": p, "round": r, "shard": self.shard, "writer": self.writer})
 
 
-def _sumsq(value: np.ndarray) -> float:
-    """The float64 sum of squares of a slice (the norm guard's share of it)."""
-    v = value.astype(np.float64)
-    return float(np.dot(v, v))
+def _sumsq(value: np.ndarray, block: int = 1 << 16) -> float:
+    """The float64 sum of squares of a slice (the norm guard's share of it), a block
+    at a time: no float64 copy of the whole slice."""
+    total = 0.0
+    buf = np.empty(min(block, value.size), np.float64)
+    for i in range(0, value.size, block):
+        v = buf[: min(block, value.size - i)]
+        v[...] = value[i:i + block]
+        total += float(np.dot(v, v))
+    return total
