@@ -66,17 +66,18 @@ def make_run(root: str, shards: int, n: int, workers: int, codec: str, rounds: i
     return total
 
 
-def _shard(root: str, shard: int, shards: int, out: mp.Queue) -> None:
+def _shard(root: str, shard: int, shards: int, poll_s: float, out: mp.Queue) -> None:
     torch.set_num_threads(1)
     ex = open_exchange(ObjectStore(root))
     agg = (Aggregator(ex) if shards == 1 else ShardAggregator(ex, shard=shard))
     start, cpu = time.perf_counter(), time.process_time()
-    agg.run(timeout=600.0, poll_interval=0.005)
+    agg.run(timeout=600.0, poll_interval=poll_s)
     out.put((shard, (time.perf_counter() - start, time.process_time() - cpu)))
 
 
 def reduce_throughput(shards: int, *, log2n: int = 24, workers: int = 4, codec: str = "int4",
-                      rounds: int = 2, root: str | None = None) -> dict[str, Any]:
+                      rounds: int = 2, root: str | None = None,
+                      poll_s: float = 0.005) -> dict[str, Any]:
     """One measurement: K = ``shards`` processes reduce ``rounds`` rounds of M =
     ``workers`` contributions of 2^log2n values; encoded bytes per second."""
     base = Path(root or tempfile.mkdtemp(prefix="bench-shards-"))
@@ -86,7 +87,7 @@ def reduce_throughput(shards: int, *, log2n: int = 24, workers: int = 4, codec: 
         encoded = make_run(str(where), shards, 1 << log2n, workers, codec, rounds)
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        procs = [ctx.Process(target=_shard, args=(str(where), s, shards, out))
+        procs = [ctx.Process(target=_shard, args=(str(where), s, shards, poll_s, out))
                  for s in range(shards)]
         for p in procs:
             p.start()
@@ -114,10 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec", default="int4")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--root", default=None, help="a local directory for the runs (default: temp)")
+    p.add_argument("--poll-s", type=float, default=0.005, help="first poll delay of each shard")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     rows = [reduce_throughput(int(k), log2n=args.log2n, workers=args.workers,
-                              codec=args.codec, rounds=args.rounds, root=args.root)
+                              codec=args.codec, rounds=args.rounds, root=args.root,
+                              poll_s=args.poll_s)
             for k in args.shards.split(",")]
     base = rows[0]["bytes_per_s"]
     for row in rows:

@@ -332,11 +332,13 @@ class ShardAggregator(Aggregator):
 
 def _sumsq(value: np.ndarray, block: int = 1 << 16) -> float:
     """The float64 sum of squares of a slice (the norm guard's share of it), a block
-    at a time: no float64 copy of the whole slice."""
+    at a time: no float64 copy of the whole slice, and no BLAS call (np.dot), whose
+    threads spin on a busy machine: measured 0.2 s for 8M values against 0.02 s."""
     total = 0.0
     buf = np.empty(min(block, value.size), np.float64)
     for i in range(0, value.size, block):
         v = buf[: min(block, value.size - i)]
         v[...] = value[i:i + block]
-        total += float(np.dot(v, v))
+        np.multiply(v, v, out=v)
+        total += float(v.sum())
     return total
