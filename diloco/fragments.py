@@ -137,32 +137,44 @@ class FragmentPlan:
         return list(dict.fromkeys(p.name for f in self.fragments for p in f.params))
 
     def gather(self, model: nn.Module, index: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Fragment ``index`` of ``model`` as a flat float32 CPU vector."""
+        """Fragment ``index`` of ``model`` as a flat float32 CPU vector. From a CUDA
+        model the pieces are copied without waiting, into pinned memory, and the stream
+        is synchronised once at the end (on the CPU the same copies, in order)."""
         frag = self.fragments[index]
         named = dict(model.named_parameters())
+        device = named[frag.params[0].name].device if frag.params else torch.device("cpu")
+        cuda = device.type == "cuda"
         if out is None:
-            out = torch.empty(frag.numel, dtype=torch.float32)
+            out = torch.empty(frag.numel, dtype=torch.float32, pin_memory=cuda)
         offset = 0
         with torch.no_grad():
             for spec in frag.params:
                 n = spec.numel
-                out[offset : offset + n].copy_(_flat(named[spec.name], spec))
+                out[offset : offset + n].copy_(_flat(named[spec.name], spec),
+                                               non_blocking=cuda and out.is_pinned())
                 offset += n
+        if cuda:
+            torch.cuda.current_stream(device).synchronize()  # before the caller reads out
         return out
 
     def scatter(self, model: nn.Module, index: int, flat: torch.Tensor) -> None:
-        """Write a flat vector into fragment ``index`` of ``model`` (any device/dtype)."""
+        """Write a flat vector into fragment ``index`` of ``model`` (any device/dtype).
+        To a CUDA model the vector goes through pinned memory without blocking the
+        host (the copies are ordered before the next kernels on the stream)."""
         frag = self.fragments[index]
         named = dict(model.named_parameters())
+        cuda = bool(frag.params) and named[frag.params[0].name].device.type == "cuda"
+        if cuda and flat.device.type == "cpu" and not flat.is_pinned():
+            flat = flat.pin_memory()
         offset = 0
         with torch.no_grad():
             for spec in frag.params:
                 n = spec.numel
                 p = named[spec.name]
                 if spec.whole:
-                    p.copy_(flat[offset : offset + n].view(spec.shape))
+                    p.copy_(flat[offset : offset + n].view(spec.shape), non_blocking=cuda)
                 else:
-                    _flat(p, spec).copy_(flat[offset : offset + n])
+                    _flat(p, spec).copy_(flat[offset : offset + n], non_blocking=cuda)
                 offset += n
 
 
