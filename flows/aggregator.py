@@ -141,12 +141,21 @@ def run_aggregator_job(
     if exit_with_parent:
         watchers.append(ParentWatch(stop.set))
     try:
+        # a shard holds a slice of the canonical model: evaluation waits for the jobs'
+        # whole-model view (what remains of issue 19's sharded aggregation)
+        evaluate = evaluate and exchange.shards == 1
         evaluator = CanonicalEval(exchange, run_url, storage_options) if evaluate else None
         from workers.config import RunConfig  # noqa: PLC0415 - torch is slow to import
 
         cfg = RunConfig.model_validate(manifest.config)
-        agg = Aggregator(exchange, keep_checkpoints=cfg.train.keep_checkpoints,
-                         slots=cfg.data.slot_count(len(manifest.workers)))
+        kwargs = {"keep_checkpoints": cfg.train.keep_checkpoints,
+                  "slots": cfg.data.slot_count(len(manifest.workers))}
+        if exchange.shards > 1:  # shard 0 of K: it decides; `run_shard_job` runs the rest
+            from diloco.shards import ShardAggregator  # noqa: PLC0415
+
+            agg = ShardAggregator(exchange, shard=0, **kwargs)
+        else:
+            agg = Aggregator(exchange, **kwargs)
     except Exception as exc:
         set_state(status_store, NAME, "failed", error=f"{type(exc).__name__}: {exc}")
         close_hooks(hooks)
@@ -273,6 +282,52 @@ def run_aggregator_job(
             "rejected": agg.stats.rejected, **last_eval, **lost}
 
 
+def run_shard_job(run_url: str, storage_options: dict | None = None, *, shard: int,
+                  stop: threading.Event | None = None, exit_with_parent: bool = False,
+                  cancel_poll_s: float = 2.0) -> dict[str, Any]:
+    """Shard ``shard`` >= 1 of a sharded aggregator (``aggregator.shards``): reduce its
+    slice of every round, following shard 0's decisions (`diloco.shards`), until every
+    round is reduced or it is stopped. Shard 0 is the aggregator job itself (status,
+    evaluation, tracking); this one only reduces. On the run's cancel request it keeps
+    following until shard 0 has stopped (so the rounds it decided get their parts)."""
+    from diloco.shards import ShardAggregator  # noqa: PLC0415
+
+    exchange = open_job_run(run_url, storage_options)
+    if not 1 <= shard < exchange.shards:
+        raise ValueError(f"--shard must be in 1..{exchange.shards - 1} for a run with "
+                         f"aggregator.shards = {exchange.shards}, got {shard}")
+    stop = stop or threading.Event()
+    status_store = ObjectStore(run_url, storage_options=storage_options, name="aggregator-status")
+    agg = ShardAggregator(exchange, shard=shard)
+
+    def after_shard_0(_request: dict | None) -> None:
+        def wait() -> None:
+            deadline = time.monotonic() + DRAIN_S + 30.0
+            while time.monotonic() < deadline and not stop.is_set():
+                if (read_status(status_store, NAME) or {}).get("state") != "running":
+                    break
+                time.sleep(1.0)
+            stop.set()
+
+        threading.Thread(target=wait, name="follow-shard-0", daemon=True).start()
+
+    watchers = [CancelWatch(status_store, after_shard_0, interval=cancel_poll_s)]
+    if exit_with_parent:
+        watchers.append(ParentWatch(stop.set))
+    for w in watchers:
+        w.start()
+    try:
+        with stop_on_signals(stop):
+            agg.run(stop)
+    finally:
+        for w in watchers:
+            w.stop()
+    state = ("finished" if agg.done else
+             "cancelled" if cancel_request(status_store) is not None else "interrupted")
+    return {"state": state, "shard": shard, "rounds": sum(agg.next_round),
+            "total_rounds": sum(exchange.manifest.rounds)}
+
+
 def prefect_log(message: str) -> None:
     """A warning in the Prefect flow run's log, when the job runs as a flow run (a
     job started by the local launcher has none; its own log has the line)."""
@@ -284,14 +339,23 @@ def aggregator_run_name() -> str:
     """``<run id>/aggregator``: the name of the aggregator's flow run."""
     from prefect.runtime import flow_run  # noqa: PLC0415
 
-    return f"{run_id_of((flow_run.parameters or {}).get('run_url'))}/{NAME}"
+    params = flow_run.parameters or {}
+    shard = f"-s{params['shard']}" if params.get("shard") else ""
+    return f"{run_id_of(params.get('run_url'))}/{NAME}{shard}"
 
 
 @flow(name="aggregator", log_prints=True, flow_run_name=aggregator_run_name)
-def aggregator(run_url: str, storage_options: dict | None = None, evaluate: bool = True):
+def aggregator(run_url: str, storage_options: dict | None = None, evaluate: bool = True,
+               shard: int = 0):
     """The run's aggregator: reduces every round and steps the canonical model;
-    restartable at any moment (it resumes from the store)."""
+    restartable at any moment (it resumes from the store). ``shard`` >= 1: one more
+    shard of a sharded aggregator (``aggregator.shards``), one flow run each."""
     refuse_secret_parameters(storage_options)
+    if shard:
+        out = run_shard_job(run_url, storage_options, shard=shard)
+        if out["state"] != "finished":
+            return Cancelled(message=f"aggregator shard {shard} {out['state']}")
+        return out
     out = run_aggregator_job(run_url, storage_options, evaluate=evaluate)
     if out["state"] != "finished":
         return Cancelled(message=f"aggregator {out['state']} after {out['rounds']} of "
@@ -306,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-eval", action="store_true", help="do not evaluate the canonical model")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop if the launching process dies")
+    p.add_argument("--shard", type=int, default=0,
+                   help="a sharded aggregator's shard (aggregator.shards > 1); 0 is this job")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level,
@@ -315,8 +381,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CODES["interrupted"]
     options = json.loads(os.environ.get("DILOCO_STORAGE_OPTIONS") or "null")
     try:
-        out = run_aggregator_job(args.run, options, evaluate=not args.no_eval,
-                                 exit_with_parent=args.exit_with_parent)
+        if args.shard:
+            out = run_shard_job(args.run, options, shard=args.shard,
+                                exit_with_parent=args.exit_with_parent)
+        else:
+            out = run_aggregator_job(args.run, options, evaluate=not args.no_eval,
+                                     exit_with_parent=args.exit_with_parent)
     except usage_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

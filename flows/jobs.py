@@ -193,7 +193,9 @@ def to_launch(exchange: Exchange, snap: dict[str, Any]) -> list[str]:
             continue
         todo.append(w)
     if snap["aggregator"].get("state") != "finished":
-        todo.insert(0, "aggregator")
+        # a sharded aggregator (aggregator.shards = K): shard 0 is the aggregator job,
+        # shards 1..K-1 jobs of their own (each resumes from its own part checkpoints)
+        todo[:0] = ["aggregator", *(f"aggregator-s{s}" for s in range(1, exchange.shards))]
     return todo
 
 

@@ -38,6 +38,15 @@ from storage.backends import USE_THE_ENVIRONMENT, refuse_credentials, secret_opt
 log = logging.getLogger(__name__)
 
 AGGREGATOR = "aggregator"
+#: the jobs of a sharded aggregator's shards 1..K-1 (shard 0 is ``aggregator``)
+SHARD_JOB = "aggregator-s"
+
+
+def shard_of(name: str) -> int | None:
+    """The shard a job name runs (``aggregator-s2``: 2), None for another job."""
+    if name.startswith(SHARD_JOB) and name[len(SHARD_JOB):].isdigit():
+        return int(name[len(SHARD_JOB):])
+    return None
 
 
 class LaunchError(Exception):
@@ -109,6 +118,9 @@ class LocalLauncher:
             cmd = [sys.executable, "-m", "flows.aggregator", "--run", run_url]
             if not self.evaluate:
                 cmd.append("--no-eval")
+        elif shard_of(name):
+            cmd = [sys.executable, "-m", "flows.aggregator", "--run", run_url,
+                   "--shard", str(shard_of(name))]
         else:
             cmd = [sys.executable, "-m", "flows.worker", "--run", run_url, "--worker", name,
                    "--nproc", str(1 if join else self.nproc)]
@@ -243,7 +255,7 @@ class DeploymentLauncher:
         self.attempts: dict[str, int] = {}
 
     def deployment_for(self, name: str) -> str:
-        if name == AGGREGATOR:
+        if name == AGGREGATOR or shard_of(name):
             return self.aggregator_deployment
         return self.worker_deployment.format(worker=name)
 
@@ -253,6 +265,8 @@ class DeploymentLauncher:
         if name == AGGREGATOR:
             if not self.evaluate:
                 params["evaluate"] = False
+        elif shard_of(name):
+            params["shard"] = shard_of(name)
         else:
             params["worker"] = name
             if self.nproc and not join:

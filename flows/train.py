@@ -51,7 +51,7 @@ from flows.jobs import (
     to_launch,
     with_joiners,
 )
-from flows.launchers import AGGREGATOR, DeploymentLauncher, Launcher, LocalLauncher
+from flows.launchers import AGGREGATOR, DeploymentLauncher, Launcher, LocalLauncher, shard_of
 from storage.backends import refuse_credentials
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
@@ -138,9 +138,10 @@ def run_train(
     state, message = "finished", ""
     try:
         if todo:
-            if AGGREGATOR in todo:
-                stage("launch-aggregator", _launch)(launcher, run_url, [AGGREGATOR])
-            workers = [n for n in todo if n != AGGREGATOR]
+            aggregators = [n for n in todo if n == AGGREGATOR or shard_of(n)]
+            if aggregators:  # the aggregator, and its shards 1..K-1 if it is sharded
+                stage("launch-aggregator", _launch)(launcher, run_url, aggregators)
+            workers = [n for n in todo if n not in aggregators]
             if workers:
                 stage("launch-workers", _launch)(launcher, run_url, workers)
             record_jobs(store, launcher)
@@ -217,11 +218,12 @@ def stop_all(launcher: Launcher, grace: float) -> None:
     """Stop the running jobs: workers first, then the aggregator."""
     states = launcher.poll()
     running = [n for n, s in states.items() if s == "running"]
-    first = [n for n in running if n != AGGREGATOR]
+    aggregators = [n for n in running if n == AGGREGATOR or shard_of(n)]  # and its shards
+    first = [n for n in running if n not in aggregators]
     if first:
         launcher.stop(first, grace)
-    if AGGREGATOR in running:
-        launcher.stop([AGGREGATOR], min(grace, 30.0))
+    if aggregators:
+        launcher.stop(aggregators, min(grace, 30.0))
 
 
 def _follow(exchange: Exchange, store: ObjectStore, launcher: Launcher, run_url: str,

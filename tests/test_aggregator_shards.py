@@ -211,3 +211,36 @@ def test_the_peers_way_down_with_shards_carries_the_decision_only():
         assert c4["mean_from"] == "peers" and c1["weights"] == c4["weights"]
     store = ObjectStore(u4)
     assert not [k for k in store.list("frag") if "/mean/" in k]
+
+
+def test_shard_jobs_follow_shard_0_and_the_launchers_start_them():
+    """``python -m flows.aggregator --shard S`` (run_shard_job) reduces its slice until
+    every round is done, to the K = 1 bits; a start launches K jobs, each named and
+    commanded for its shard; a shard outside 1..K-1 is refused before anything runs."""
+    from flows.aggregator import run_shard_job  # noqa: PLC0415 - Prefect is slow to import
+    from flows.jobs import to_launch  # noqa: PLC0415
+    from flows.launchers import DeploymentLauncher, LocalLauncher  # noqa: PLC0415
+
+    u1, u4 = make_run(1), make_run(4)
+    aggregate(u1, 1)
+    outs: dict[int, dict] = {}
+    jobs = [threading.Thread(target=lambda s=s: outs.__setitem__(s, run_shard_job(u4, shard=s)))
+            for s in (1, 2, 3)]
+    for t in jobs:
+        t.start()
+    ShardAggregator(open_exchange(ObjectStore(u4)), shard=0).run(timeout=20.0, poll_interval=0.01)
+    for t in jobs:
+        t.join(20.0)
+    assert [outs[s]["state"] for s in (1, 2, 3)] == ["finished"] * 3
+    assert_same_bits(u1, u4)
+    with pytest.raises(ValueError, match=r"--shard must be in 1\.\.3"):
+        run_shard_job(u4, shard=4)
+    ex = open_exchange(ObjectStore(u4))
+    snap = {"aggregator": {}, "workers": {}}
+    assert to_launch(ex, snap)[:4] == ["aggregator", "aggregator-s1", "aggregator-s2",
+                                       "aggregator-s3"]
+    assert LocalLauncher(detached=True).command(u4, "aggregator-s2")[-4:] == [
+        "--run", u4, "--shard", "2"]
+    remote = DeploymentLauncher(key="k")
+    assert remote.deployment_for("aggregator-s3") == remote.deployment_for("aggregator")
+    assert remote.parameters(u4, "aggregator-s3")["shard"] == 3
