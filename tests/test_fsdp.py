@@ -51,11 +51,15 @@ def island_run(tmp_path: Path, data_url: str, name: str, *overrides: str):
     return losses(out.stderr, "solo"), result, checkpoint.load(ObjectStore(url), "solo")
 
 
-def test_fsdp_island_trains_as_the_replicated_island(tmp_path, data_url):
-    """Same global batch, same loss curve over two outer syncs, same final model."""
-    rep_losses, rep, (rep_step, rep_state) = island_run(tmp_path, data_url, "rep")
+@pytest.mark.parametrize("sync", [["sync.overlap=auto"], ["sync.split_tensors=true"]],
+                         ids=["overlap-auto", "split-tensors"])
+def test_fsdp_island_trains_as_the_replicated_island(tmp_path, data_url, sync):
+    """Same global batch, same loss curve over two outer syncs, same final model: with
+    ``overlap: auto`` (rank 0 tells the others which fragments are due) and with
+    fragments holding pieces of tensors (a split tensor moves whole)."""
+    rep_losses, rep, (rep_step, rep_state) = island_run(tmp_path, data_url, "rep", *sync)
     fsdp_losses, fsdp, (fsdp_step, fsdp_state) = island_run(
-        tmp_path, data_url, "fsdp", "train.island=fsdp")
+        tmp_path, data_url, "fsdp", "train.island=fsdp", *sync)
     assert len(rep_losses) == len(fsdp_losses) == 16 and rep_step == fsdp_step == 16
     assert fsdp_losses == pytest.approx(rep_losses, rel=1e-5, abs=1e-4)  # logged to 4 places
     assert fsdp["eval_loss"] == pytest.approx(rep["eval_loss"], rel=1e-5)
