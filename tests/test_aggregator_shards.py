@@ -5,8 +5,10 @@ killed and restarted continues to the same bits."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -244,3 +246,28 @@ def test_shard_jobs_follow_shard_0_and_the_launchers_start_them():
     remote = DeploymentLauncher(key="k")
     assert remote.deployment_for("aggregator-s3") == remote.deployment_for("aggregator")
     assert remote.parameters(u4, "aggregator-s3")["shard"] == 3
+
+
+def test_diloco_run_with_two_aggregator_shards(tmp_path):
+    """As a user runs it: ``--set aggregator.shards=2`` starts two aggregator jobs,
+    every round is reduced with both workers, each shard commits its part of every
+    mean, and the end-of-run gc keeps the parts' payloads (they are the mean)."""
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    from cli_runs import SHORT, clean_env  # noqa: PLC0415
+
+    env = clean_env(tmp_path, DILOCO_TRACKING="off")
+    diloco = str(Path(sys.executable).parent / "diloco")
+    done = subprocess.run([diloco, "run", *SHORT, "--set", "aggregator.shards=2"], cwd=tmp_path,
+                          env=env, text=True, capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "participation 100%, 0 rejected" in done.stdout
+    run = next(p for p in (tmp_path / "runs").iterdir() if p.name.startswith("tiny-"))
+    store = ObjectStore(str(run))
+    keys = set(store.list())
+    last = max(k for k in keys if k.startswith("frag/0/") and k.endswith("/mean.json"))
+    base = last.removesuffix("/mean.json")
+    for s in (0, 1):
+        part = json.loads(store.get(f"{base}/part/{s}.json"))
+        assert any(k.startswith(part["payload"].rstrip("/") + "/") for k in keys), part

@@ -261,6 +261,14 @@ class RetentionConfig(_Strict):
         return v
 
 
+class AggregatorConfig(_Strict):
+    """How the aggregator runs: ``shards`` K processes, each owning a disjoint range of
+    the zarr chunks of every fragment (diloco/shards.py); 1 is the single aggregator."""
+
+    shards: int = Field(default=1, ge=1, le=64, description="K: aggregator processes, "
+                        "each reducing its own chunks of every fragment")
+
+
 class BillingConfig(_Strict):
     """Where the bucket and each party are, and the list prices that turn their
     traffic into dollars (`storage.billing`). Nothing set: every party is where the
@@ -333,6 +341,7 @@ class RunConfig(_Strict):
     sync: SyncConfig = Field(default_factory=SyncConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
     billing: BillingConfig = Field(default_factory=BillingConfig)
+    aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig)
     parent_run: str | None = Field(
         default=None,
         description="the run whose canonical model this run starts from (a continuation)",

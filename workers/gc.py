@@ -254,8 +254,10 @@ def _payloads(store: ObjectStore, tree: _Tree, exchange: Exchange,
 
 def _named_payloads(store: ObjectStore, tree: _Tree, base: str) -> set[str]:
     """The payload prefixes the round's commit records name."""
-    records = [f"{base}/mean.json"] + [f"{base}/commits/{n}" for n in
-                                       sorted(tree.children(f"{base}/commits"))]
+    records = ([f"{base}/mean.json"]
+               + [f"{base}/commits/{n}" for n in sorted(tree.children(f"{base}/commits"))]
+               # a sharded aggregator's mean: each shard's part names its own payload
+               + [f"{base}/part/{n}" for n in sorted(tree.children(f"{base}/part"))])
     named = set()
     for key in records:
         if key not in tree.sizes:
