@@ -1,5 +1,5 @@
 """Every benchmark in one command: codecs, exchange, quality, traffic, bandwidth, elastic,
-prepare, model.
+prepare, model, scale.
 
     .venv/bin/python -m benchmarks.run_all [--only quality,traffic] [--quick] [--no-mlflow] \\
         [--results-dir DIR]
@@ -36,7 +36,7 @@ from pathlib import Path
 from benchmarks.report import RESULTS, ROOT, stop_on_sigterm
 
 BENCHMARKS = ("codecs", "exchange", "quality", "traffic", "bandwidth", "elastic", "prepare",
-              "model")
+              "model", "scale")
 
 # Full-size arguments are each benchmark's defaults; quick ones are smoke-test sized.
 QUICK: dict[str, list[str]] = {
@@ -51,6 +51,7 @@ QUICK: dict[str, list[str]] = {
                 "{d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}"],
     "prepare": ["--size-mb", "8", "--file-mb", "4", "--train-mb", "2"],
     "model": ["--presets", "tiny", "--steps", "2", "--seq-len", "32", "--import-repeats", "1"],
+    "scale": ["--params", "1000000", "--backends", "file", "--reduce-log2n", "16"],
 }
 MODULES = {name: f"benchmarks.bench_{name}" for name in BENCHMARKS}
 HAS_MLFLOW = {"quality", "traffic", "bandwidth"}

@@ -19,7 +19,7 @@ import typer
 from cli.console import EXIT_FAILED, EXIT_INTERRUPTED, fail
 
 BENCHMARKS = ("codecs", "exchange", "quality", "traffic", "bandwidth", "elastic", "prepare",
-              "model")
+              "model", "scale")
 
 
 def checkout() -> Path:
@@ -48,7 +48,9 @@ def bench(
     tokens, traffic, compute utilisation under capped bandwidth (root), and elastic
     membership under faults (`diloco bench elastic`: workers killed, slow, joining), and
     dataset preparation of a 1 GB text corpus (`diloco bench prepare`: MB/s, peak RSS),
-    and our model class against transformers' (`diloco bench model`: ms per step).
+    and our model class against transformers' (`diloco bench model`: ms per step), and
+    the exchange at scale (`diloco bench scale`: a 1B model's fragment round on local
+    disk and S3, peak RSS per party, the sharded aggregator's throughput).
 
     Each benchmark runs as its own process, one after the other; each writes JSON
     and Markdown, and benchmarks/results/summary.md gathers them. A full run takes
