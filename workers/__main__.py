@@ -8,8 +8,10 @@
 (The "--" keeps torchrun from reading --run as an abbreviation of its --run-path.)
 
 A worker needs only the run's URL (and the bucket's credentials): its whole
-configuration is in the run manifest. On SIGTERM it saves a checkpoint and exits
-with status 143; started again with the same arguments, it resumes exactly.
+configuration is in the run manifest. On SIGTERM or SIGINT it saves a checkpoint and
+exits with status 143; started again with the same arguments, it resumes exactly. The
+ranks of an island stop together, after the same step, whichever rank got the signal
+(and torchrun passes a SIGTERM on to every rank); rank 0 alone prints the result line.
 
 Credentials come from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 AWS_SESSION_TOKEN; AWS_ENDPOINT_URL_S3 for the endpoint), never from the command
@@ -183,20 +185,34 @@ def _train(args: argparse.Namespace, opts: dict | None) -> int:
 
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if signum == signal.SIGINT and stop.is_set():
+            raise KeyboardInterrupt  # a second Ctrl-C: out now, without a checkpoint
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a launcher's stop, or Ctrl-C on torchrun
+        signal.signal(sig, on_signal)
     loop = WorkerLoop(args.run, args.worker, storage_options=opts, stop=stop, group=group,
                       metrics=_log_metrics(args.worker), join=args.join, claim=args.claim)
     try:
         result = loop.run()
     except Interrupted as exc:
-        print(json.dumps({"worker": args.worker, "interrupted_after": exc.step}))
+        _say(loop, {"worker": loop.worker, "interrupted_after": exc.step})
         return EXIT_INTERRUPTED
     finally:
         loop.close()
         if group.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-    print(json.dumps(result.to_dict()))
+    _say(loop, result.to_dict())
     return 0
+
+
+def _say(loop, result: dict[str, Any]) -> None:
+    """The result line on stdout: one per worker, so an island's rank 0 alone prints it
+    (in the data-parallel baseline every rank is a worker)."""
+    if loop.group.leader or loop.cfg.train.strategy == "data_parallel":
+        print(json.dumps(result))
 
 
 def _log_metrics(worker: str):

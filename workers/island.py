@@ -22,6 +22,7 @@ about; measured costs in /work/brief19/out/fsdp.md.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -36,8 +37,22 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from diloco.fragments import FragmentPlan, find_blocks
+from diloco.inflight import MergeAbandoned
 from diloco.run import load_initial
 from diloco.schedule import Schedule
+
+
+class Abandoned(MergeAbandoned):
+    """Rank 0 of this island gave up a merge (stopped while waiting for a mean): the
+    other ranks end with it, without saving, and resume from the last checkpoint."""
+
+    def __init__(self, rank: int):
+        RuntimeError.__init__(self, f"island rank {rank}: rank 0 stopped while waiting "
+                                    "for a mean")
+
+
+# What a rank wants after a step; the island does the highest any rank wants.
+GO, STOP, ABANDON = 0, 1, 2
 
 
 class Island:
@@ -48,6 +63,30 @@ class Island:
                  auto: bool = False):
         self.model, self.plan, self.rank, self.size, self.auto = model, plan, rank, size, auto
         self.mirror: nn.Module = model  # what the synchroniser reads and writes
+        # the stop flags travel on the CPU (gloo) even beside NCCL: no device sync per step
+        self._flags = (dist.new_group(backend="gloo")
+                       if size > 1 and dist.get_backend() != "gloo" else None)
+
+    def agree(self, want: int) -> int:
+        """Every rank, once per step: the highest of the ranks' ``want`` (GO, STOP after
+        this step, ABANDON the step: rank 0 gave up a merge). A SIGTERM reaches the
+        ranks at different steps; deciding together makes them all stop after the same
+        step, so no rank waits in a gradient all-reduce or a checkpoint's gather for a
+        rank that has gone."""
+        if self.size == 1:
+            return want
+        flag = torch.tensor([want], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._flags)
+        return int(flag[0])
+
+    def decide(self, stop: threading.Event, abandoned: MergeAbandoned | None = None) -> bool:
+        """Every rank, after a step's merge (rank 0: ``abandoned`` when it gave the merge
+        up): True when the whole island stops after this step; raises `MergeAbandoned`
+        on every rank when rank 0 gave up, so no rank waits in that merge's scatter."""
+        decided = self.agree(ABANDON if abandoned else STOP if stop.is_set() else GO)
+        if decided == ABANDON:
+            raise abandoned or Abandoned(self.rank)
+        return decided == STOP
 
     @property
     def leader(self) -> bool:
@@ -92,6 +131,21 @@ class Island:
         named = dict(self.model.named_parameters())
         for name in self._names(fragments):
             dist.broadcast(named[name].data, src=0)
+
+    def finish(self, sync) -> None:
+        """Every rank, after the last step: rank 0's synchroniser (``sync``) merges what
+        is outstanding of every fragment, gathered whole first and scattered after; if
+        rank 0 gives a merge up, every rank raises `MergeAbandoned`."""
+        everything = range(len(self.plan))
+        self.gather(everything)
+        abandoned = None
+        try:
+            if sync is not None:
+                sync.finish()
+        except MergeAbandoned as exc:
+            abandoned = exc
+        self.decide(threading.Event(), abandoned)  # a stop now changes nothing: it is done
+        self.scatter(everything)
 
     def _names(self, fragments: Iterable[int]) -> list[str]:
         """Each parameter of these fragments once (a split tensor moves whole)."""

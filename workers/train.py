@@ -365,8 +365,9 @@ class WorkerLoop:
             self.status = None  # followers of an island stay silent
         if self.sync is not None and (elastic.already_left(self) or elastic.asked_to_leave(self)):
             return self._leave(start, losses)
+        halt = False  # an island stops together: the ranks decide after every step
         while self.step < total:
-            if self.stop.is_set():
+            if halt or (self.group.size == 1 and self.stop.is_set()):
                 losses.flush()
                 self.save()
                 self._status("interrupted", force=True, loss=losses[-1] if losses else None,
@@ -392,6 +393,7 @@ class WorkerLoop:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
             self.opt.step()
             merged = self.island.before_sync(self.schedule, step, self.sync) if island > 1 else []
+            abandoned = None
             if self.sync is not None:
                 try:
                     self.sync.step(tokens=tokens_per_step)
@@ -400,6 +402,11 @@ class WorkerLoop:
                     if elastic.catch_up(self, fresh=False, reason="fell behind"):
                         continue  # this step's work is superseded by the canonical state
                     self.sync.step(tokens=tokens_per_step, heal=False)
+                except MergeAbandoned as exc:  # in an island every rank gives it up
+                    if self.group.size == 1:
+                        raise
+                    abandoned = exc
+            halt = self.island.decide(self.stop, abandoned)
             self.step = step
             self.tokens += tokens_per_step
             window_tokens += tokens_per_step
@@ -420,12 +427,10 @@ class WorkerLoop:
             if elastic.merged_at(self, step) and elastic.asked_to_leave(self):
                 return self._leave(start, losses)
 
-        if island > 1:
-            self.island.gather(range(len(self.plan)))
-        if self.sync is not None:
-            self.sync.finish()
         if island > 1:  # every fragment: finish merges whatever was outstanding
-            self.island.scatter(range(len(self.plan)))
+            self.island.finish(self.sync)
+        elif self.sync is not None:
+            self.sync.finish()
         eval_loss = evaluate(self.model, self.val, self.device)
         self.metrics({"worker": self.worker, "step": self.step, "eval_loss": eval_loss,
                       "final": True})
