@@ -32,10 +32,11 @@ whole aggregator, one fragment of 2^``--reduce-log2n`` values, M contributions o
 ``--up``): encoded bytes per wall second and per CPU second of the busiest shard.
 
 **Blocked share (a model).** With ``overlap: auto`` a fragment's exchange may take
-tau = H/P - 1 steps unseen; a worker is blocked ``max(0, L - tau * t)`` per round of
-H/P steps, with L the measured exchange latency (the sum of the stages above, which
-ran one after the other) and t a *stated* GPU step time (``--gpu-step-s``), not one
-measured here.
+tau = H/P - 1 steps unseen; a worker is blocked ``b = max(0, L - tau * t)`` per round,
+a share ``b / (H/P t + b)`` of it, with L the measured exchange latency (the sum of
+the stages above, which ran one after the other) and t a *stated* GPU step time
+(``--gpu-step-s``), not one measured here. On a loaded machine L is inflated: the
+parties' CPU seconds are reported beside it.
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ def party(role: str, url: str, options: dict[str, Any]) -> dict[str, Any]:
     n, workers = ex.manifest.numel(0), ex.manifest.workers
     clock = StoreClock(store)
     out: dict[str, Any] = {"role": role}
+    cpu = time.process_time()
     if role.startswith("w"):
         base = _reset_peak()
         x = synthetic(n, seed=int(role[1:]))
@@ -200,7 +202,7 @@ def party(role: str, url: str, options: dict[str, Any]) -> dict[str, Any]:
         out.update(fetch_download=got["read"], fetch_decode=t1 - t0 - got["read"],
                    checksum=_checksum(np.ascontiguousarray(got_mean[0])))
     peak = _status("VmHWM")
-    out.update(values=n, peak_rss_mib=round(peak / MIB), base_rss_mib=round(base / MIB),
+    out.update(cpu_s=round(time.process_time() - cpu, 2), values=n, peak_rss_mib=round(peak / MIB), base_rss_mib=round(base / MIB),
                peak_over_fragment_x=round((peak - base) / (4 * n), 2))
     return out
 
@@ -260,7 +262,9 @@ def exchange_round(args: argparse.Namespace, name: str) -> dict[str, Any]:
             "latency_s": round(sum(stages.values()), 3), "wall_s": round(wall, 1),
             "completed": by_role["aggregator"]["checksum"] == by_role["fetch"]["checksum"],
             "rss": {p["role"]: {k: p[k] for k in ("peak_rss_mib", "base_rss_mib",
-                                                  "peak_over_fragment_x")} for p in parties}}
+                                                  "peak_over_fragment_x")} for p in parties},
+            "cpu_s": {p["role"]: p["cpu_s"] for p in parties},
+            "load_average": os.getloadavg()}
 
 
 def _child(role: str, url: str, options: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
@@ -286,12 +290,14 @@ def reduce_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def blocked(latency_s: float, step_s: float, sync_every: int, fragments: int) -> dict[str, Any]:
-    """The modelled share of a round a worker waits, with ``overlap: auto``."""
+    """The modelled share of a round a worker waits, with ``overlap: auto``: the
+    round is its H/P steps plus the wait."""
     steps = sync_every // fragments
     tau = steps - 1
     wait = max(0.0, latency_s - tau * step_s)
     return {"step_s": step_s, "round_steps": steps, "tau": tau, "latency_s": latency_s,
-            "blocked_s": round(wait, 3), "blocked_share": round(wait / (steps * step_s), 4)}
+            "blocked_s": round(wait, 3),
+            "blocked_share": round(wait / (steps * step_s + wait), 4)}
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -306,11 +312,15 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"Exchange round of fragment 0 ({r0['fragment_values']:,} values) of a "
              f"{r0['params']:.3g}-parameter model, M = {r0['workers']}, {r0['up']} up, "
              f"{r0['down']} down, mean from {r0['mean_from']}", "", md_table(head, rows), "",
-             "Peak RSS per party: MiB (peak - base over the fragment's float32 size)", ""]
+             "Load average after the round: " + ", ".join(
+                 f"{r['backend']} {r['load_average'][0]:.1f}" for r in rounds), "",
+             "Peak RSS per party: MiB (peak - base over the fragment's float32 size); "
+             "CPU seconds of the party's process (from its start of work)", ""]
     roles = list(r0["rss"])
-    lines.append(md_table(["party", *(r["backend"] for r in rounds)], [
+    lines.append(md_table(["party", *(f"{r['backend']} RSS" for r in rounds),
+                           *(f"{r['backend']} CPU s" for r in rounds)], [
         [role, *(f"{r['rss'][role]['peak_rss_mib']} ({r['rss'][role]['peak_over_fragment_x']}x)"
-                 for r in rounds)] for role in roles]))
+                 for r in rounds), *(r["cpu_s"][role] for r in rounds)] for role in roles]))
     if report.get("reduce"):
         lines += ["", "Aggregator reduce throughput (bench_shards, local disk)", "",
                   md_table(["K", "values", "MiB/s", "x K=1", "MiB per CPU s", "x K=1 (CPU)"], [
