@@ -186,16 +186,7 @@ def read_array(
         raise ShapeMismatch(f"{label}: shape {tuple(arr.shape)}, expected {tuple(shape)}")
     if dtype is not None and np.dtype(arr.dtype) != np.dtype(dtype):
         raise ShapeMismatch(f"{label}: dtype {arr.dtype}, expected {np.dtype(dtype)}")
-    try:
-        out = np.asarray(arr[...])
-    except NonFiniteValues as exc:
-        raise NonFiniteValues(f"{label}: {exc}; it is not applied") from exc
-    except Exception as exc:
-        raise CorruptObject(f"{label}: cannot be decoded: {exc}") from exc
-    if finite and not np.isfinite(out).all():
-        bad = int((~np.isfinite(out)).sum())
-        raise NonFiniteValues(f"{label}: {bad} NaN or Inf values; it is not applied")
-    return out
+    return _decoded(arr, ..., label, finite)
 
 
 def _open_verified(store: ObjectStore, prefix: str, record: dict[str, dict[str, Any]],
@@ -260,8 +251,14 @@ def read_array_part(
     if any(arr.metadata.encode_chunk_key((c,)) != f"c/{c}" for c in chunks):
         raise CorruptObject(f"{label}: its chunks are not named c/<i>")
     lo, hi = chunks.start * chunk_len, min(n, chunks.stop * chunk_len)
+    return _decoded(arr, slice(lo, hi), label, finite)
+
+
+def _decoded(arr: Any, selection: Any, label: str, finite: bool) -> np.ndarray:
+    """``arr[selection]`` decoded, or the named error: a codec's refusal of NaN/Inf
+    stays NonFiniteValues, anything else zarr or a codec raises is CorruptObject."""
     try:
-        out = np.asarray(arr[lo:hi])
+        out = np.asarray(arr[selection])
     except NonFiniteValues as exc:
         raise NonFiniteValues(f"{label}: {exc}; it is not applied") from exc
     except Exception as exc:
