@@ -203,17 +203,19 @@ def test_a_slower_peer_does_not_make_tau_grow_to_the_ceiling():
     """w1's inner steps take twice w0's: w0 runs ahead, and its mean comes when w1
     has sent too, a lag of ~0.2 s a round on top of the 0.05 s link. No tau hides a
     peer that is slower (w0 waits whatever tau is), so the lag is left out and tau
-    covers the link: 0.05 s * 1.25 over w0's 0.03 s steps, 3 steps, not H/P - 1."""
-    cfg = SyncConfig(mode="streaming", sync_every=12, fragments=2, overlap="auto",
-                     alpha=0.5, **FAST_POLL)
+    covers the link: 0.05 s * 1.25 over w0's 0.03 s steps, 3 steps, far below
+    H/P - 1 = 11, where the lag (about 7 steps more) would take it. The margin is wide
+    on purpose: a loaded machine stretches every latency a little."""
+    cfg = SyncConfig(mode="streaming", sync_every=24, fragments=2, overlap="auto",
+                     overlap_start=1, alpha=0.5, **FAST_POLL)
     pace = {"w0": 0.03, "w1": 0.06}
-    res = train_replicas(url(), Blocks, data, cfg, total_steps=48, inner_lr=0.05,
+    res = train_replicas(url(), Blocks, data, cfg, total_steps=96, inner_lr=0.05,
                          before_step=lambda w, s, sync: time.sleep(pace[w]),
                          wrap_exchange=lambda w, ex: SlowLink(ex, 0.05))
     taus = res.traces["w0"].sync.auto.taus
     assert taus == res.traces["w1"].sync.auto.taus
     measured = sorted(taus[2:-1])  # (the last point merges past the run's end)
-    assert measured[len(measured) // 2] <= 4, taus  # most: one slow round may reach 5
+    assert measured[len(measured) // 2] <= 6, taus
 
 
 def test_a_resumed_worker_replays_its_decided_taus_and_ends_bit_exact():
