@@ -81,6 +81,17 @@ class Stall:
                 f"since {self.since[11:19]} UTC ({self.waited_s:.0f} s)")
 
 
+def restore_outer(state: OuterState, arrays: dict) -> torch.Tensor | None:
+    """Load a canonical checkpoint's arrays (params, momentum if any) into ``state``;
+    returns its error-feedback residual, if it has one (the whole aggregator and
+    each shard of a sharded one resume the same way)."""
+    momentum = arrays.get("momentum")
+    state.load(torch.from_numpy(arrays["params"].copy()),
+               None if momentum is None else torch.from_numpy(momentum.copy()))
+    residual = arrays.get("residual")
+    return None if residual is None else torch.from_numpy(residual.copy())
+
+
 @dataclass
 class AggregatorStats:
     rounds: list[RoundReport] = field(default_factory=list)
@@ -151,13 +162,7 @@ class Aggregator:
                 self.next_round.append(0)
             else:
                 arrays, _meta = read_checkpoint(self.exchange.store, latest[1])
-                momentum = arrays.get("momentum")
-                state.load(
-                    torch.from_numpy(arrays["params"].copy()),
-                    None if momentum is None else torch.from_numpy(momentum.copy()),
-                )
-                if "residual" in arrays:
-                    residual = torch.from_numpy(arrays["residual"].copy())
+                residual = restore_outer(state, arrays)
                 self.next_round.append(latest[0] + 1)
                 self.gate.restore(p, self.exchange.mean_commit(p, latest[0]))
                 log.info("aggregator %s: fragment %d resumes at round %d",

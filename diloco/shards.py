@@ -33,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from diloco.aggregator import Aggregator, RoundReport
+from diloco.aggregator import Aggregator, RoundReport, restore_outer
 from diloco.gate import Inbox, parse_key
 from diloco.outer import OuterState
 from diloco.run import load_initial
@@ -93,11 +93,7 @@ class ShardAggregator(Aggregator):
                 self.next_round.append(0)
             else:
                 arrays, meta = read_checkpoint(self.exchange.store, latest[1])
-                momentum = arrays.get("momentum")
-                state.load(torch.from_numpy(arrays["params"].copy()),
-                           None if momentum is None else torch.from_numpy(momentum.copy()))
-                if "residual" in arrays:
-                    residual = torch.from_numpy(arrays["residual"].copy())
+                residual = restore_outer(state, arrays)
                 self.next_round.append(latest[0] + 1)
                 self.gate.restore(p, decision(self.exchange, p, latest[0]))
                 if self.shard == 0:
