@@ -42,11 +42,12 @@ def data_url(tmp_path_factory) -> str:
 
 
 @contextmanager
-def running_run(tmp_path: Path, data_url: str, steps: int):
-    """A one-worker run (``solo``) with its aggregator running in this process."""
+def running_run(tmp_path: Path, data_url: str, steps: int, *extra: str):
+    """A one-worker run (``solo``; ``extra``: more config overrides) with its
+    aggregator running in this process."""
     url = str(tmp_path / "run")
     cfg = load_config("tiny", [*MICRO, f"data.dataset={data_url}", "workers=[solo]",
-                               "data.slots=1", f"train.steps={steps}"])
+                               "data.slots=1", f"train.steps={steps}", *extra])
     create_run(cfg, url)
     agg, stop = Aggregator(open_exchange(url)), threading.Event()
     t = threading.Thread(target=agg.run, args=(stop, 600))
