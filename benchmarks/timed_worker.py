@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from benchmarks import stages
 from benchmarks.measurements import status_totals, summarise_traffic, sync_summary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     clock = Clock()
     instrument(clock)
+    stage_clock = stages.from_env()  # BENCH_STAGES=1: the round's stages (bench_scale)
+    base_rss = stages.peak_rss()["rss"]
     group = Group.from_env()
     if group.size > 1:
         dist.init_process_group("gloo")
@@ -158,6 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if loop.sync is not None:
         out["sync"] = sync_summary(loop.sync.stats)
+    out["memory"] = {"base_rss": base_rss, "peak_rss": stages.peak_rss()["peak"]}
+    if stage_clock is not None:
+        out["stages"] = stage_clock.report()
     print("RESULT " + json.dumps(out), flush=True)
     return 0
 
