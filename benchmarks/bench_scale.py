@@ -1,8 +1,23 @@
-"""The exchange at scale: one fragment round of a 1B model through the real exchange.
+"""The exchange at scale, per model size: short real runs of the ``small`` and
+``gpu-150m`` recipes, and one fragment round of a 1B model through the real exchange.
 
-    .venv/bin/python -m benchmarks.bench_scale [--params 1e9] [--fragments 4] [--workers 2] \\
+    .venv/bin/python -m benchmarks.bench_scale [--sizes small,150m,1b] [--stride 3] \\
+        [--recipe-seq-len N] [--recipe-batch-size N] [--recipe-set key=value ...] \\
+        [--gpu-step-s-small 0.02] [--gpu-step-s-150m 0.3] \\
+        [--params 1e9] [--fragments 4] [--workers 2] \\
         [--up int4] [--down int8] [--peers] [--backends file,s3] [--shards 1,2] \\
         [--reduce-log2n 24] [--gpu-step-s 0.5] [--sync-every 100] [--out scale]
+
+**Sizes small and 150m.** A real run of the recipe on this machine, M = 2, its own
+P, ``overlap: auto``, H = P * ``--stride``, H + stride steps, each size in a process
+of its own (``benchmarks.scale_recipes``, whose docstring lists every change to the
+recipe): per-round seconds of every stage (below, plus ``merge``, the worker's merge
+of a mean), the CPU inner-step time, each worker's blocked time per round and its
+share of the round (measured: everything but the final drain), and peak RSS per
+party over the model's float32 size (a worker against 3x plus AdamW's 2x). The
+blocked share is also modelled, as for 1B below, with the recipe's own H at the
+measured CPU step and at a stated GPU step (``--gpu-step-s-small``,
+``--gpu-step-s-150m``), the merge counted as blocked.
 
 **Exchange round.** The model's P fragments have the sizes of ``split_sizes(N, P)``
 (diloco/arithmetic.py); a round moves one fragment (streaming DiLoCo), fragment 0.
@@ -31,7 +46,7 @@ float32 size: a worker's own outer gradient counts, as it holds it in training.
 whole aggregator, one fragment of 2^``--reduce-log2n`` values, M contributions of
 ``--up``): encoded bytes per wall second and per CPU second of the busiest shard.
 
-**Blocked share (a model).** With ``overlap: auto`` a fragment's exchange may take
+**Blocked share (a model).** For 1B, with ``overlap: auto`` a fragment's exchange may take
 tau = H/P - 1 steps unseen; a worker is blocked ``b = max(0, L - tau * t)`` per round,
 a share ``b / (H/P t + b)`` of it, with L the measured exchange latency (the sum of
 the stages above, which ran one after the other) and t a *stated* GPU step time
@@ -289,19 +304,119 @@ def reduce_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def blocked(latency_s: float, step_s: float, sync_every: int, fragments: int) -> dict[str, Any]:
+def blocked(latency_s: float, step_s: float, sync_every: int, fragments: int,
+            merge_s: float = 0.0) -> dict[str, Any]:
     """The modelled share of a round a worker waits, with ``overlap: auto``: the
-    round is its H/P steps plus the wait."""
+    round is its H/P steps plus the wait; ``merge_s``, the merge of the mean into the
+    live weights, is never hidden."""
     steps = sync_every // fragments
     tau = steps - 1
-    wait = max(0.0, latency_s - tau * step_s)
+    wait = max(0.0, latency_s - tau * step_s) + merge_s
     return {"step_s": step_s, "round_steps": steps, "tau": tau, "latency_s": latency_s,
             "blocked_s": round(wait, 3),
             "blocked_share": round(wait / (steps * step_s + wait), 4)}
 
 
+def size_rows(args: argparse.Namespace, sizes: list[str]) -> list[dict[str, Any]]:
+    """The recipe runs of ``sizes`` (small, 150m), each in its own process, with the
+    blocked share modelled from their stage latencies."""
+    from benchmarks.scale_recipes import child  # noqa: PLC0415
+
+    argv = ["--stride", str(args.stride)]
+    if args.recipe_seq_len:
+        argv += ["--seq-len", str(args.recipe_seq_len)]
+    if args.recipe_batch_size:
+        argv += ["--batch-size", str(args.recipe_batch_size)]
+    for item in args.recipe_set:
+        argv += ["--set", item]
+    rows = []
+    for size in sizes:
+        row = child(size, argv)
+        merge, steps = row["stages_s"].get("merge", 0.0), row["recipe_sync_every"]
+        cpu_step = max(w["step_s"] for w in row["per_worker"])
+        gpu_step = getattr(args, f"gpu_step_s_{size}")
+        row["blocked_cpu_model"] = blocked(row["latency_s"], cpu_step, steps,
+                                           row["fragments"], merge)
+        row["blocked_gpu_model"] = blocked(row["latency_s"], gpu_step, steps,
+                                           row["fragments"], merge)
+        print(json.dumps({k: row[k] for k in ("size", "stages_s", "completed")}), flush=True)
+        rows.append(row)
+    return rows
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:.1f}%"
+
+
+def sizes_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """Stage seconds per round and the per-size table of the recipe runs."""
+    names = [f"{r['recipe']} ({r['params'] / 1e6:.1f}M)" for r in rows]
+    order = [*STAGES, "merge"]
+    lines = ["Per model size: a real run on this machine of each recipe, M = 2, its P, "
+             "overlap auto, the CPU, local disk (settings in the second table)", "",
+             md_table(["stage (s per round)", *names], [
+                 [s, *(f"{r['stages_s'][s]:.3g}" if s in r["stages_s"] else "" for r in rows)]
+                 for s in order if any(s in r["stages_s"] for r in rows)] + [
+                 ["sum (latency, merge apart)", *(f"{r['latency_s']:.2f}" for r in rows)],
+                 ["rounds completed (aggregator)", *(
+                     f"{r['aggregator_rounds']} ({r['completed']})" for r in rows)]]), ""]
+
+    def workers(r: dict[str, Any], fmt: Callable[[dict[str, Any]], str]) -> str:
+        return " / ".join(fmt(w) for w in r["per_worker"])
+
+    def model(b: dict[str, Any]) -> str:
+        return (f"{b['blocked_s']:.2f} s, {_pct(b['blocked_share'])} "
+                f"(step {b['step_s']:.3g} s, H/P {b['round_steps']}, tau {b['tau']})")
+
+    table = [
+        ["run (changed from the recipe)", *(
+            f"H {r['sync_every']} (recipe {r['recipe_sync_every']}), P {r['fragments']}, "
+            f"{r['steps']} steps, seq {r['seq_len']} x batch {r['batch_size']}, "
+            f"{r['up']} up / {r['down']} down, mode streaming, quorum 1" for r in rows)],
+        ["CPU inner step, s (w0 / w1)", *(workers(r, lambda w: f"{w['step_s']:.3g}")
+                                          for r in rows)],
+        ["blocked per round, s (measured, w0 / w1)", *(
+            workers(r, lambda w: f"{w['blocked_per_round_s']}") for r in rows)],
+        ["of it the wait for means, s", *(workers(r, lambda w: f"{w['wait_per_round_s']}")
+                                          for r in rows)],
+        ["blocked share of the round (measured)", *(
+            workers(r, lambda w: _pct(w["blocked_share"])) for r in rows)],
+        ["blocked, a model at the CPU step and the recipe's H", *(
+            model(r["blocked_cpu_model"]) for r in rows)],
+        ["blocked, a model at a stated GPU step", *(model(r["blocked_gpu_model"])
+                                                    for r in rows)],
+        ["float32 model, MiB", *(f"{4 * r['params'] / MIB:.0f}" for r in rows)],
+        ["worker peak RSS, MiB (x float32)", *(workers(
+            r, lambda w: f"{w['peak_rss_mib']} ({w['peak_over_float32_x']}x)") for r in rows)],
+        ["worker <= 3x float32 + AdamW (5x)", *(
+            workers(r, lambda w: "yes" if w["rss_target_met"] else "no") for r in rows)],
+        ["worker RSS before the model (runtime), MiB", *(
+            workers(r, lambda w: str(w["base_rss_mib"])) for r in rows)],
+        ["aggregator peak RSS, MiB (x float32; growth x)", *(
+            f"{a['peak_rss_mib']} ({a['peak_over_float32_x']}x; "
+            f"+{a['growth_over_float32_x']}x)" for a in (r["aggregator_rss"] for r in rows))],
+        ["wall s of the run; load average", *(
+            f"{r['wall_s']}; {r['load_average'][0]:.1f}" for r in rows)],
+    ]
+    lines += [md_table(["", *names], table), "",
+              "Blocked: a worker's time in the calls that talk to the store "
+              "(benchmarks/timed_worker.py) outside the final drain, per merge point; "
+              "share: of the training loop without the drain. The models: "
+              "max(0, latency - (H/P - 1) x step) + merge per round of H/P steps."]
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
-    """The tables: stages per backend, RSS per party, reduce throughput, the model."""
+    """The tables: per size, then the 1B round: stages per backend, RSS per party,
+    reduce throughput, the model."""
+    lines = sizes_markdown(report["sizes"]) if report.get("sizes") else []
+    if report.get("rounds"):
+        lines += ([""] if lines else []) + round_markdown(report)
+    return "\n".join(lines)
+
+
+def round_markdown(report: dict[str, Any]) -> list[str]:
+    """The 1B exchange round's tables."""
     rounds = report["rounds"]
     head = ["stage (s per round)", *(r["backend"] for r in rounds)]
     rows = [[s, *(f"{r['stages_s'][s]:.3g}" if s in r["stages_s"] else "" for r in rounds)]
@@ -333,13 +448,26 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{b['step_s']} s, a round of {b['round_steps']} steps, tau = {b['tau']}, "
                   f"latency {b['latency_s']:.2f} s ({b['backend']}): blocked "
                   f"{b['blocked_s']:.2f} s per round, {100 * b['blocked_share']:.2f}% of it"]
-    return "\n".join(lines)
+    return lines
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_scale",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--params", type=float, default=1e9, help="model parameters N")
+    p.add_argument("--sizes", default="small,150m,1b",
+                   help="comma list of small, 150m (recipe runs), 1b (the exchange round)")
+    p.add_argument("--stride", type=int, default=3, help="recipe runs: H/P (H = P x stride)")
+    p.add_argument("--recipe-seq-len", type=int, default=None,
+                   help="recipe runs: data.seq_len (default: per size, scale_recipes.SIZES)")
+    p.add_argument("--recipe-batch-size", type=int, default=None,
+                   help="recipe runs: data.batch_size (default: per size)")
+    p.add_argument("--recipe-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="recipe runs: more overrides (e.g. a smaller model for --quick)")
+    p.add_argument("--gpu-step-s-small", type=float, default=0.02,
+                   help="stated GPU step of the small recipe (its batch), for the model")
+    p.add_argument("--gpu-step-s-150m", type=float, default=0.3,
+                   help="stated GPU step of gpu-150m (its batch), for the model")
+    p.add_argument("--params", type=float, default=1e9, help="1b: model parameters N")
     p.add_argument("--fragments", type=int, default=4, help="P")
     p.add_argument("--workers", type=int, default=2, help="M")
     p.add_argument("--up", default="int4")
@@ -349,7 +477,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", default="1,2", help="K values of the reduce throughput; "
                    "empty: skip it")
     p.add_argument("--reduce-log2n", type=int, default=24)
-    p.add_argument("--gpu-step-s", type=float, default=0.5, help="stated GPU step time")
+    p.add_argument("--gpu-step-s", type=float, default=0.5, help="1b: stated GPU step time")
     p.add_argument("--sync-every", type=int, default=100, help="H of the blocked-share model")
     p.add_argument("--party", nargs=3, help=argparse.SUPPRESS)
     output_args(p, "scale", "(no MLflow runs here; accepted for benchmarks.run_all)")
@@ -366,17 +494,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.params < 1 or args.fragments < 1 or args.workers < 1:
         raise SystemExit("--params, --fragments and --workers must be >= 1")
+    sizes = [x.strip() for x in args.sizes.split(",") if x.strip()]
+    unknown = sorted(set(sizes) - {"small", "150m", "1b"})
+    if unknown or not sizes:
+        raise SystemExit(f"--sizes: unknown {', '.join(unknown) or '(empty)'}; allowed: "
+                         "small, 150m, 1b")
     start = time.perf_counter()
     report: dict[str, Any] = environment(argv, "benchmarks.bench_scale")
-    report["rounds"] = [exchange_round(args, b.strip())
-                        for b in args.backends.split(",") if b.strip()]
-    report["reduce"] = reduce_rows(args) if args.shards.strip() else []
-    slowest = max(report["rounds"], key=lambda r: r["latency_s"])
-    report["blocked"] = {"backend": slowest["backend"], **blocked(
-        slowest["latency_s"], args.gpu_step_s, args.sync_every, args.fragments)}
+    report["sizes"] = size_rows(args, [s for s in ("small", "150m") if s in sizes])
+    report["rounds"], report["reduce"] = [], []
+    if "1b" in sizes:
+        report["rounds"] = [exchange_round(args, b.strip())
+                            for b in args.backends.split(",") if b.strip()]
+        report["reduce"] = reduce_rows(args) if args.shards.strip() else []
+        slowest = max(report["rounds"], key=lambda r: r["latency_s"])
+        report["blocked"] = {"backend": slowest["backend"], **blocked(
+            slowest["latency_s"], args.gpu_step_s, args.sync_every, args.fragments)}
     report["wall_seconds"] = time.perf_counter() - start
     publish(args.out, report, markdown, args.results_dir)
-    return 0 if all(r["completed"] for r in report["rounds"]) else 1
+    return 0 if all(r["completed"] for r in [*report["rounds"], *report["sizes"]]) else 1
 
 
 if __name__ == "__main__":

@@ -51,7 +51,9 @@ QUICK: dict[str, list[str]] = {
                 "{d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}"],
     "prepare": ["--size-mb", "8", "--file-mb", "4", "--train-mb", "2"],
     "model": ["--presets", "tiny", "--steps", "2", "--seq-len", "32", "--import-repeats", "1"],
-    "scale": ["--params", "1000000", "--backends", "file", "--reduce-log2n", "16"],
+    "scale": ["--params", "1000000", "--backends", "file", "--reduce-log2n", "16",
+              "--recipe-seq-len", "32", "--recipe-batch-size", "2", "--recipe-set",
+              "model.overrides={d_model: 32, n_layers: 6, n_heads: 2}"],
 }
 MODULES = {name: f"benchmarks.bench_{name}" for name in BENCHMARKS}
 HAS_MLFLOW = {"quality", "traffic", "bandwidth"}

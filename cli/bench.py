@@ -49,8 +49,10 @@ def bench(
     membership under faults (`diloco bench elastic`: workers killed, slow, joining), and
     dataset preparation of a 1 GB text corpus (`diloco bench prepare`: MB/s, peak RSS),
     and our model class against transformers' (`diloco bench model`: ms per step), and
-    the exchange at scale (`diloco bench scale`: a 1B model's fragment round on local
-    disk and S3, peak RSS per party, the sharded aggregator's throughput).
+    the exchange at scale per model size (`diloco bench scale`: short real runs of the
+    small and gpu-150m recipes with every stage of a round timed, the blocked share of
+    a round and peak RSS per party; a 1B model's fragment round on local disk and S3;
+    the sharded aggregator's throughput).
 
     Each benchmark runs as its own process, one after the other; each writes JSON
     and Markdown, and benchmarks/results/summary.md gathers them. A full run takes
