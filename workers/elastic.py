@@ -156,8 +156,24 @@ def behind(loop: WorkerLoop) -> bool:
 
 
 def merged_at(loop: WorkerLoop, step: int) -> bool:
-    """Whether a fragment merged after inner step ``step`` (a place to leave)."""
-    return loop.sync is not None and any(e.kind == "merge" for e in loop.schedule.events(step))
+    """Whether a fragment merged after inner step ``step`` (a place to leave). Every
+    rank of an island answers alike: the schedule is the run's, not rank 0's."""
+    return loop._uses_sync() and any(e.kind == "merge" for e in loop.schedule.events(step))
+
+
+def leaving(loop: WorkerLoop, step: int | None = None) -> bool:
+    """Whether the worker leaves now: at its start (``step`` None) if it left or was
+    asked to, else after inner step ``step`` if a fragment merged then and it was asked
+    to. In an island rank 0 alone reads the request (it alone talks to the store) and
+    the ranks agree on it (`workers.island.Island.agree`), so they all leave after the
+    same step: a rank that went on would wait forever in the next step's all-reduce."""
+    if not loop._uses_sync() or (step is not None and not merged_at(loop, step)):
+        return False
+    wants = loop.sync is not None and (
+        (step is None and already_left(loop)) or asked_to_leave(loop))
+    if loop.group.size == 1:
+        return wants
+    return loop.island.agree(int(wants)) > 0
 
 
 def asked_to_leave(loop: WorkerLoop) -> bool:
@@ -170,6 +186,8 @@ def already_left(loop: WorkerLoop) -> bool:
 
 def leave(loop: WorkerLoop) -> None:
     """Commit what was sent, record the last rounds, say ``left``."""
+    if not loop.group.leader:
+        return  # an island's rank 0 records it, with the rounds its synchroniser sent
     sync = loop.sync
     last = [-1] * len(loop.plan)
     if sync is not None:

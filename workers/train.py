@@ -363,7 +363,7 @@ class WorkerLoop:
                                  island=self.group.size if island > 1 else 1)
         else:
             self.status = None  # followers of an island stay silent
-        if self.sync is not None and (elastic.already_left(self) or elastic.asked_to_leave(self)):
+        if elastic.leaving(self):
             return self._leave(start, losses)
         halt = False  # an island stops together: the ranks decide after every step
         while self.step < total:
@@ -424,7 +424,7 @@ class WorkerLoop:
                 self.metrics({"worker": self.worker, "step": step, "eval_loss": eval_loss})
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
                 self.save()
-            if elastic.merged_at(self, step) and elastic.asked_to_leave(self):
+            if elastic.leaving(self, step):
                 return self._leave(start, losses)
 
         if island > 1:  # every fragment: finish merges whatever was outstanding
@@ -456,7 +456,8 @@ class WorkerLoop:
         elastic.leave(self)
         losses.flush()
         self._status("left", force=True, loss=losses[-1] if losses else None)
-        self.sync.close()
+        if self.sync is not None:  # an island's other ranks have none
+            self.sync.close()
         return self._result(start, losses, None, state="left")
 
     def _waiting(self, p: int, r: int, seconds: float) -> None:
