@@ -265,7 +265,8 @@ def _island(run_url: str, worker: str, storage_options: dict | None, nproc: int,
     if storage_options:
         env["DILOCO_STORAGE_OPTIONS"] = json.dumps(storage_options)
     proc = subprocess.Popen(torchrun_command(run_url, worker, nproc), env=env,
-                            start_new_session=True)
+                            start_new_session=True, stdout=subprocess.PIPE, text=True)
+    said = ResultLine(proc.stdout)
     hooks.worker_started(worker, {"host": socket.gethostname(), "pid": proc.pid,
                                   "island": nproc})
     last_step, stopping_since = -1, None
@@ -284,19 +285,50 @@ def _island(run_url: str, worker: str, storage_options: dict | None, nproc: int,
                         TORCHRUN_GRACE_S)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    said.join()
     status = read_status(store, worker) or {}
     result = {"worker": worker, **{k: status[k] for k in (
         "step", "tokens", "bytes_up", "bytes_down", "wait_s", "loss", "eval_loss")
         if k in status}}
-    if proc.returncode == 0:
-        state = "finished"
-    elif stop.is_set():
+    line = said.result or {}
+    if "interrupted_after" in line:  # the island stopped together, checkpoint saved
+        # (torchrun's own status is not 0 then, whoever sent the SIGTERM)
+        state = "cancelled" if cancelled.is_set() else "interrupted"
+        result["steps"] = line["interrupted_after"]
+    elif proc.returncode == 0:
+        result.update({k: v for k, v in line.items() if k != "state"})
+        state = line.get("state") or "finished"  # or "left": it left the run
+    elif stop.is_set():  # killed after TORCHRUN_GRACE_S: it resumes from its last one
         state = "cancelled" if cancelled.is_set() else "interrupted"
     else:
         hooks.worker_finished(worker, result, "failed")
         raise RuntimeError(f"worker {worker}: torchrun exited with status {proc.returncode}")
     hooks.worker_finished(worker, result, state)
     return {**result, "state": state}
+
+
+class ResultLine(threading.Thread):
+    """Reads an island's stdout: rank 0's result line (JSON: a finished or left
+    worker's result, or ``interrupted_after``) is kept, anything else passed on.
+    torchrun's exit status cannot tell a clean stop from a crash (any rank's
+    non-zero status makes it fail), the result line can."""
+
+    def __init__(self, stream: Any):
+        super().__init__(daemon=True, name="island-stdout")
+        self.stream, self.result = stream, None
+        self.start()
+
+    def run(self) -> None:
+        for line in self.stream:
+            try:
+                said = json.loads(line)
+            except ValueError:
+                said = None
+            if isinstance(said, dict) and "worker" in said:
+                self.result = said
+            else:
+                sys.stdout.write(line)
+                sys.stdout.flush()
 
 
 def worker_run_name() -> str:
