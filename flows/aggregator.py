@@ -33,7 +33,7 @@ from prefect.exceptions import MissingContextError
 from prefect.states import Cancelled
 
 from diloco.aggregator import Aggregator, RoundReport, Stall
-from diloco.run import plan_for
+from diloco.run import load_initial, plan_for
 from flows import launcher_gone
 from flows.control import CancelWatch, ParentWatch, cancel_request
 from flows.jobs import (
@@ -69,7 +69,9 @@ SIGNAL_DRAIN_S = 20.0
 
 
 class CanonicalEval:
-    """The canonical model on the run's validation batches."""
+    """The canonical model on the run's validation batches: the aggregator's own
+    (K = 1), or, with a sharded aggregator (each shard holds a slice), the whole
+    canonical checkpoints shard 0 assembles from the K parts (`at`)."""
 
     def __init__(self, exchange: Exchange, run_url: str, storage_options: dict | None):
         import torch  # noqa: PLC0415
@@ -90,13 +92,28 @@ class CanonicalEval:
                                num_batches=cfg.train.eval_batches)
 
     def __call__(self, agg: Aggregator) -> float:
+        return self.of([agg.canonical(p) for p in range(len(self.plan))])
+
+    def of(self, fragments: list) -> float:
+        """The eval loss of the model made of these fragments (flat float32 each)."""
         import torch  # noqa: PLC0415
 
         from workers.train import evaluate  # noqa: PLC0415
 
-        for p in range(len(self.plan)):
-            self.plan.scatter(self.model, p, agg.canonical(p))
+        for p, flat in enumerate(fragments):
+            self.plan.scatter(self.model, p, torch.as_tensor(flat))
         return evaluate(self.model, self.val, torch.device("cpu"))
+
+    def at(self, store: ObjectStore, rounds: list[int]) -> float | None:
+        """The eval loss of the canonical model after round ``rounds[p]`` of every
+        fragment ``p``, read from its whole checkpoints (None while one is not
+        committed, or when retention deleted it)."""
+        from storage.checkpoints import read_checkpoint  # noqa: PLC0415
+
+        keys = [layout.global_commit(p, r) for p, r in enumerate(rounds)]
+        if not all(store.exists(k) for k in keys):
+            return None
+        return self.of([read_checkpoint(store, k)[0]["params"] for k in keys])
 
 
 def run_aggregator_job(
@@ -141,9 +158,8 @@ def run_aggregator_job(
     if exit_with_parent:
         watchers.append(ParentWatch(stop.set))
     try:
-        # a shard holds a slice of the canonical model: evaluation waits for the jobs'
-        # whole-model view (what remains of issue 19's sharded aggregation)
-        evaluate = evaluate and exchange.shards == 1
+        # sharded (K > 1): shard 0 evaluates the whole checkpoints once assembled
+        sharded = exchange.shards > 1
         evaluator = CanonicalEval(exchange, run_url, storage_options) if evaluate else None
         from workers.config import RunConfig  # noqa: PLC0415 - torch is slow to import
 
@@ -185,24 +201,55 @@ def run_aggregator_job(
     if "initial_eval_loss" in previous:  # kept across restarts
         last_eval["initial_eval_loss"] = previous["initial_eval_loss"]
     elif evaluator is not None and sum(agg.next_round) == 0:
-        last_eval["initial_eval_loss"] = evaluator(agg)  # the baseline the rounds improve on
+        # the baseline the rounds improve on (a shard's canonical is only its slice)
+        last_eval["initial_eval_loss"] = (evaluator.of(load_initial(exchange, len(agg.outer)))
+                                          if sharded else evaluator(agg))
+    #: sharded: the rounds (per fragment) of evaluations due, in order, each done once
+    #: shard 0 has assembled the whole checkpoints of those rounds (a round or so later)
+    pending: list[list[int]] = []
+    eval_store = ObjectStore(run_url, storage_options=storage_options, name="aggregator-eval")
+
+    def evaluated(loss: float, rounds: list[int]) -> dict[str, Any]:
+        last_eval.update(eval_loss=loss, perplexity=math.exp(min(loss, 50.0)),
+                         eval_round=sum(r + 1 for r in rounds))
+        log.info("aggregator: canonical model after %d of %d rounds: eval loss %.4f",
+                 last_eval["eval_round"], total, loss)
+        return dict(last_eval)
 
     def maybe_evaluate(final: bool = False) -> dict[str, Any]:
         level = min(agg.next_round)
         if evaluator is None:
             return {}
         if final:
-            if last_eval.get("eval_round") == sum(agg.next_round):
+            if last_eval.get("eval_round") == sum(agg.next_round) or (
+                    pending and sum(r + 1 for r in pending[-1]) == sum(agg.next_round)):
                 return {}
         elif level <= evaluated_at[0] or level == 0:
             return {}
         evaluated_at[0] = level
-        loss = evaluator(agg)
-        last_eval.update(eval_loss=loss, perplexity=math.exp(min(loss, 50.0)),
-                         eval_round=sum(agg.next_round))
-        log.info("aggregator: canonical model after %d of %d rounds: eval loss %.4f",
-                 sum(agg.next_round), total, loss)
-        return dict(last_eval)
+        rounds = [n - 1 for n in agg.next_round]
+        if sharded:
+            pending.append(rounds)
+            return {}
+        return evaluated(evaluator(agg), rounds)
+
+    def evaluate_pending() -> None:
+        """Sharded: the evaluations due whose checkpoints are assembled, logged as the
+        round's report would have carried them (at the same step), in order."""
+        while pending:
+            loss = evaluator.at(eval_store, pending[0])
+            if loss is None and all(exchange.store.exists(layout.global_commit(p, r + 1))
+                                    for p, r in enumerate(pending[0])):
+                log.warning("aggregator: no canonical checkpoint of rounds %s left to "
+                            "evaluate (train.keep_checkpoints)", pending[0])
+                pending.pop(0)
+                continue
+            if loss is None:
+                return
+            report = evaluated(loss, pending.pop(0))
+            hooks.aggregator_eval({**report, "rounds": report["eval_round"]})
+            flow_log("canonical model after %d of %d rounds: eval loss %.4f",
+                     report["eval_round"], total, loss)
 
     def on_round(report: RoundReport) -> None:
         present = [w for w in report.weights if "@" not in w]  # on time; joiners too
@@ -213,12 +260,14 @@ def run_aggregator_job(
         counted["counted_rounds"] += 1
         counted["participants_total"] += len(applied)
         counted["expected_total"] += max(report.expected, len(present))
-        evaluated = maybe_evaluate()
+        if pending:
+            evaluate_pending()
+        now = maybe_evaluate()
         progress("running", force=True)  # a small write per round: the counts stay exact
         traffic = moved()
-        hooks.aggregator_round({**asdict(report), **evaluated, **traffic})
-        evaluated_text = (f"; canonical eval loss {evaluated['eval_loss']:.4f}"
-                          if "eval_loss" in evaluated else "")
+        hooks.aggregator_round({**asdict(report), **now, **traffic})
+        evaluated_text = (f"; canonical eval loss {now['eval_loss']:.4f}"
+                          if "eval_loss" in now else "")
         rejected = (f" ({len(report.rejected)} rejected: {', '.join(report.rejected)})"
                     if report.rejected else "")
         late = (f" (+{report.late} late)" if report.late else "") + (
@@ -257,6 +306,7 @@ def run_aggregator_job(
             agg.run(stop)
             if agg.done:
                 final = maybe_evaluate(final=True)
+                evaluate_pending()  # done: every whole checkpoint is assembled
                 if final:
                     flow_log("canonical model after all %d rounds: eval loss %.4f",
                              sum(agg.next_round), final["eval_loss"])
