@@ -21,6 +21,7 @@ mean per (fragment, round); the loser adopts the winner's mean.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from diloco.membership import Roster
 from diloco.outer import OuterState
 from diloco.run import latest_global, load_initial
 from storage import layout
+from storage.arrays import Coded
 from storage.checkpoints import read_checkpoint, write_checkpoint
 from storage.errors import BAD_CONTRIBUTION, ObjectMissing, OutsizedContribution
 from storage.exchange import Exchange, weighted_sum
@@ -263,12 +265,15 @@ class Aggregator:
 
     def _fetch(self, p: int, k: int, w: str,
                rejected: dict[str, str], key: str | None = None
-               ) -> tuple[np.ndarray, int, float] | None:
+               ) -> tuple[Coded, int, float] | None:
         """One contribution, verified and guarded; None (and a recorded rejection)
-        when it is bad."""
+        when it is bad. It is kept encoded: a first pass decodes it a chunk at a time
+        for its norm (and finds a chunk that does not decode or holds NaN/Inf), and
+        the mean decodes it again into its sum, so the aggregator never holds a
+        decoded copy of each contribution (nor a float64 one for the norm)."""
         try:
-            value, commit = self.exchange.fetch_delta(p, k, w)
-            norm = float(np.linalg.norm(value.astype(np.float64)))
+            value, commit = self.exchange.hold_delta(p, k, w)
+            norm = math.sqrt(value.sumsq())
             self._guard(p, k, w, norm)
         except BAD_CONTRIBUTION as exc:  # anything else (the store down) propagates
             rejected[key or w] = f"{type(exc).__name__}: {exc}"
@@ -304,10 +309,11 @@ class Aggregator:
             self._norms[(p, k)] = [float(v) for v in (commit.get("norms") or {}).values()]
         return self._norms[(p, k)]
 
-    def _mean(self, p: int, values: dict[str, np.ndarray],
+    def _mean(self, p: int, values: dict[str, Coded],
               weights: dict[str, float]) -> torch.Tensor:
         """The weighted float32 mean of ``values`` (zeros when there are none): the
-        exchange's `weighted_sum`, which peers-mean readers use too."""
+        exchange's `weighted_sum`, which peers-mean readers use too, decoding each
+        contribution a chunk at a time into the one sum."""
         return torch.from_numpy(weighted_sum(self.manifest.numel(p), values, weights))
 
     @staticmethod
@@ -410,7 +416,7 @@ class Aggregator:
         values = {}
         for key in sorted(weights):  # a contribution the committed mean used must be readable
             w, k = parse_key(key, r)
-            values[key] = self.exchange.fetch_delta(p, k, w)[0]
+            values[key] = self.exchange.hold_delta(p, k, w)[0]
         return mean, self._with_residual(p, self._mean(p, values, weights))
 
     def _with_residual(self, p: int, acc: torch.Tensor) -> torch.Tensor:

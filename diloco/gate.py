@@ -20,26 +20,27 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from diloco.config import SyncConfig
 from diloco.grace import Grace
 from diloco.membership import Roster
 from diloco.schedule import Schedule
+from storage.arrays import Coded
 from storage.exchange import Exchange
 
 log = logging.getLogger(__name__)
 
-#: (fragment, round, worker, rejected, key) -> (value, tokens, norm), or None if bad
-Fetch = Callable[[int, int, str, dict[str, str], str], "tuple[np.ndarray, int, float] | None"]
+#: (fragment, round, worker, rejected, key) -> (value, tokens, norm), or None if bad; the
+#: value is a verified contribution kept encoded (`storage.arrays.Coded`)
+Fetch = Callable[[int, int, str, dict[str, str], str], "tuple[Coded, int, float] | None"]
 
 
 @dataclass
 class Inbox:
     """The contributions of one (fragment, round) read so far, each verified once:
-    the usable ones with their tokens and norm, and the rejected ones with why."""
+    the usable ones (kept encoded until the mean sums them) with their tokens and
+    norm, and the rejected ones with why."""
 
-    values: dict[str, np.ndarray] = field(default_factory=dict)
+    values: dict[str, Coded] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
     norms: dict[str, float] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)

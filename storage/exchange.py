@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from storage import layout
-from storage.arrays import encode_array, read_array, write_array
+from storage.arrays import Coded, encode_array, hold_vector, write_array
 from storage.codecs import CodecSpec
 from storage.errors import (
     BAD_CONTRIBUTION,
@@ -72,15 +72,41 @@ class Published:
     created: bool
 
 
-def weighted_sum(n: int, values: Mapping[str, np.ndarray],
+#: values a term of `weighted_sum` is scaled in at a time (4 MiB of float32 scratch)
+_SPAN = 1 << 20
+
+
+def weighted_sum(n: int, values: Mapping[str, np.ndarray | Coded],
                  weights: Mapping[str, float]) -> np.ndarray:
     """``sum_m float32(w_m) * x_m`` over the keys in sorted order, in float32 with two
     roundings per term (the product, then the sum), starting from +0. The mean of a
     round; the aggregator and, with ``mean_from: peers``, every worker call this one
-    function, so they agree to the bit."""
+    function, so they agree to the bit.
+
+    A value may be a decoded array or a verified contribution still encoded
+    (`storage.arrays.Coded`; a shard's part of one starts at index 0 of this sum):
+    it is decoded a zarr chunk at a time, scaled in place and added, so the sum
+    holds one float32 vector and one chunk of scratch however many contributions it
+    takes. Every element still sees the same
+    operations in the same order (term by term, keys sorted), so the bits are those
+    of summing whole decoded arrays."""
     acc = np.zeros(n, np.float32)
+    scratch: np.ndarray | None = None
     for key in sorted(weights):
-        acc += values[key] * np.float32(weights[key])
+        value, w = values[key], np.float32(weights[key])
+        if isinstance(value, Coded):
+            if scratch is None or scratch.size < value.chunk_len:
+                scratch = np.empty(value.chunk_len, np.float32)
+            for offset, piece in value.pieces(scratch[:value.chunk_len]):
+                np.multiply(piece, w, out=piece)
+                acc[offset:offset + piece.size] += piece
+            continue
+        for lo in range(0, n, _SPAN):
+            hi = min(n, lo + _SPAN)
+            if scratch is None or scratch.size < hi - lo:
+                scratch = np.empty(hi - lo, np.float32)
+            term = np.multiply(value[lo:hi], w, out=scratch[:hi - lo])
+            acc[lo:hi] += term
     return acc
 
 
@@ -294,15 +320,8 @@ class Exchange:
             slot=layout.mean_payload(fragment, round, str(commit.get("writer")), "")[:-1],
             what=what,
         )
-        value = read_array(
-            self.store,
-            commit["payload"],
-            commit["objects"],
-            shape=(self.manifest.numel(fragment),),
-            dtype=np.float32,
-            finite=True,
-            what=what,
-        )
+        value = hold_vector(self.store, commit["payload"], commit["objects"],
+                            n=self.manifest.numel(fragment), what=what).decode()
         return value, commit
 
     def _peers_mean(self, fragment: int, round: int, commit: dict[str, Any],
@@ -319,10 +338,10 @@ class Exchange:
         weights = commit.get("weights")
         if not isinstance(weights, dict):
             raise CorruptObject(f"{what}: the commit names no weights")
-        values = {}
+        values: dict[str, np.ndarray | Coded] = {}
         for key in sorted(weights):
             worker, k = contribution_of(key, round)
-            values[key] = known[key] if key in known else self.fetch_delta(fragment, k, worker)[0]
+            values[key] = known[key] if key in known else self.hold_delta(fragment, k, worker)[0]
         return weighted_sum(self.manifest.numel(fragment), values, weights)
 
     # -- aggregator side ----------------------------------------------------------
@@ -344,12 +363,19 @@ class Exchange:
     ) -> tuple[np.ndarray, dict[str, Any]]:
         """Fetch and verify one committed contribution. Raises a StoreError subclass
         (PartialObject, CorruptObject, ShapeMismatch, NonFiniteValues) if it is bad."""
+        coded, commit = self.hold_delta(fragment, round, worker)
+        return coded.decode(), commit
+
+    def hold_delta(self, fragment: int, round: int, worker: str) -> tuple[Coded, dict[str, Any]]:
+        """One committed contribution fetched and verified (sizes, sha256, every chunk)
+        but kept encoded, for `weighted_sum` to decode a chunk at a time; a chunk that
+        does not decode or holds NaN/Inf raises when it is decoded (`Coded.pieces`:
+        ``Coded.sumsq`` is a first pass that checks them all). Raises what
+        `fetch_delta` raises."""
         commit, what = self.delta_record(fragment, round, worker)
-        value = read_array(
-            self.store, commit["payload"], commit["objects"],
-            shape=(self.manifest.numel(fragment),), dtype=np.float32, finite=True, what=what,
-        )
-        return value, commit
+        coded = hold_vector(self.store, commit["payload"], commit["objects"],
+                            n=self.manifest.numel(fragment), what=what)
+        return coded, commit
 
     def delta_record(self, fragment: int, round: int, worker: str
                      ) -> tuple[dict[str, Any], str]:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from storage import layout
-from storage.arrays import chunk_grid, read_array, read_array_part, write_array
+from storage.arrays import Coded, chunk_grid, hold_vector, read_array, write_array
 from storage.checkpoints import committed_keys
 from storage.codecs import CodecSpec
 from storage.errors import CorruptObject, MisboundRecord, ObjectMissing, PartialObject
@@ -100,15 +100,23 @@ def _create(exchange: Exchange, key: str, body: dict[str, Any]) -> bool:
 
 
 # -- contributions ---------------------------------------------------------------------
+def hold_delta_part(exchange: Exchange, fragment: int, round: int, worker: str,
+                    part: Span) -> tuple[Coded, dict[str, Any]]:
+    """A contribution's values ``part.lo:part.hi``, verified and kept encoded (decoded
+    a chunk at a time: `storage.arrays.Coded`), reading only the chunk objects of
+    ``part`` (and zarr.json). Raises what `Exchange.fetch_delta` raises."""
+    commit, what = exchange.delta_record(fragment, round, worker)
+    coded = hold_vector(exchange.store, commit["payload"], commit["objects"],
+                        n=exchange.manifest.numel(fragment), chunks=part.chunks,
+                        chunk_len=part.chunk_len, what=f"{what} (shard {part.shard})")
+    return coded, commit
+
+
 def fetch_delta_part(exchange: Exchange, fragment: int, round: int, worker: str,
                      part: Span) -> tuple[np.ndarray, dict[str, Any]]:
-    """A contribution's values ``part.lo:part.hi``, verified, reading only the chunk
-    objects of ``part`` (and zarr.json). Raises what `Exchange.fetch_delta` raises."""
-    commit, what = exchange.delta_record(fragment, round, worker)
-    value = read_array_part(exchange.store, commit["payload"], commit["objects"], part.chunks,
-                            n=exchange.manifest.numel(fragment), chunk_len=part.chunk_len,
-                            what=f"{what} (shard {part.shard})")
-    return value, commit
+    """`hold_delta_part`, decoded: the values ``part.lo:part.hi``."""
+    coded, commit = hold_delta_part(exchange, fragment, round, worker, part)
+    return coded.decode(), commit
 
 
 def write_check(exchange: Exchange, fragment: int, round: int, worker: str, shard: int,

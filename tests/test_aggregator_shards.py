@@ -5,11 +5,13 @@ killed and restarted continues to the same bits."""
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import threading
 import uuid
 from pathlib import Path
 
+import google_crc32c
 import numpy as np
 import pytest
 import torch
@@ -22,6 +24,7 @@ from diloco.shards import ShardAggregator
 from replicas import Blocks
 from storage import layout
 from storage.checkpoints import read_checkpoint
+from storage.exchange import Prepared
 from storage.objectstore import ObjectStore
 from storage.shards import fetch_delta_part, span
 
@@ -51,7 +54,10 @@ def make_run(shards: int, bad: dict[tuple[int, int, str], str] | None = None,
                 how = (bad or {}).get((p, r, w))
                 if how == "huge":
                     x *= 1000
-                commit = ex.publish_delta(p, r, w, x, tokens=10 + i).commit
+                prepared = ex.prepare_delta(p, r, w, x)
+                if how == "nan":  # a NaN in its last chunk, checksums made to match
+                    spoil_last_chunk(prepared)
+                commit = ex.publish_prepared(prepared, tokens=10 + i).commit
                 if how == "corrupt":  # its last chunk: only the last shard reads it
                     last = max(k for k in commit["objects"] if k.startswith("c/"))
                     key = f"{commit['payload']}/{last}"
@@ -59,6 +65,18 @@ def make_run(shards: int, bad: dict[tuple[int, int, str], str] | None = None,
                     blob[-1] ^= 0xFF
                     ex.store.put(key, bytes(blob))
     return u
+
+
+def spoil_last_chunk(prepared: Prepared) -> None:
+    """Put a NaN in the last zarr chunk of an uncompressed (codec none) contribution,
+    with its crc32c and sha256 made to match: only decoding that chunk finds it."""
+    last = max((k for k in prepared.record if k.startswith("c/")), key=lambda k: int(k[2:]))
+    key = f"{prepared.payload}/{last}"
+    payload = bytearray(prepared.blobs[key][:-4])
+    payload[4:8] = np.array([np.nan], "<f4").tobytes()
+    blob = bytes(payload) + np.array([google_crc32c.value(bytes(payload))], "<u4").tobytes()
+    prepared.blobs[key] = blob
+    prepared.record[last] = {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
 
 
 def aggregate(u: str, shards: int, fault=None) -> list[Aggregator]:
