@@ -39,7 +39,35 @@ from workers.report import (
 )
 
 _STATE_STYLE = {"finished": "green", "running": "cyan", "cancelled": "yellow",
-                "interrupted": "yellow", "failed": "red"}
+                "interrupted": "yellow", "failed": "red", "silent": "red"}
+
+#: A shard whose status says running but is older than this many of its heartbeats
+#: (it writes one after a poll every ``heartbeat_s``) is shown as silent: its job died.
+SILENT_HEARTBEATS = 3
+
+
+def shard_statuses(exchange: Exchange) -> dict[str, dict[str, Any]]:
+    """Shards 1..K-1 of a sharded aggregator (shard 0 is the aggregator), named as
+    their jobs are (``aggregator-sS``): each one's status, {} before it started."""
+    from flows.control import shard_board  # noqa: PLC0415
+    from workers.status import read_status  # noqa: PLC0415
+
+    return {f"aggregator-s{s}": read_status(exchange.store, shard_board(s)) or {}
+            for s in range(1, exchange.shards)}
+
+
+def silent_for(status: dict[str, Any]) -> float | None:
+    """Seconds since a running shard's last poll, when that is more than
+    `SILENT_HEARTBEATS` heartbeats (a dead job); else None."""
+    from datetime import UTC, datetime  # noqa: PLC0415
+
+    if status.get("state") != "running" or not status.get("updated"):
+        return None
+    try:
+        age = (datetime.now(UTC) - datetime.fromisoformat(status["updated"])).total_seconds()
+    except ValueError:
+        return None
+    return age if age > SILENT_HEARTBEATS * float(status.get("heartbeat_s") or 5.0) else None
 
 
 def _loss(value: Any) -> str:
@@ -436,6 +464,11 @@ def print_status(console: Console, exchange: Exchange, run_url: str,
                  f"{a.get('rounds', 0)}/{sum(m.rounds)} rounds", "", _loss(a.get("eval_loss")),
                  "", human_bytes(a.get("bytes_up")), human_bytes(a.get("bytes_down")), "",
                  (a.get("updated") or "")[11:19]))
+    shards = shard_statuses(exchange)
+    for name, st in shards.items():
+        rows.append((name, _state("silent" if silent_for(st) else st.get("state")),
+                     f"{st.get('rounds', 0)}/{sum(m.rounds)} rounds", "", "", "", "", "", "",
+                     (st.get("updated") or "")[11:19]))
     console.print(fitted(console, STATUS_COLUMNS, rows))
     workers = [{"bytes_up": s.get("bytes_up"), "bytes_down": s.get("bytes_down")}
                for s in snap["workers"].values()]
@@ -458,6 +491,19 @@ def print_status(console: Console, exchange: Exchange, run_url: str,
                       f"{a['stalled'][0].get('since', '')[11:19]} UTC")
         for st in a["stalled"]:
             console.print(f"  {st.get('text', '')}")
+    for name, st in shards.items():
+        silent = silent_for(st)
+        if silent:
+            console.print(f"[red]{name} is silent[/]: no poll since "
+                          f"{st['updated'][11:19]} UTC ({silent:.0f} s; it polls every "
+                          f"{st.get('heartbeat_s', 5):.0f} s): is its job alive? No mean "
+                          "is committed without its part", highlight=False)
+        elif st.get("state") == "failed":
+            console.print(f"[red]{name} failed[/]: {st.get('error')}", highlight=False)
+        elif st.get("stalled") and st.get("state") == "running":
+            console.print(f"[yellow]{name} stalled[/]: "
+                          + "; ".join(x.get("text", "") for x in st["stalled"]),
+                          highlight=False)
     if cancel:
         console.print(f"[yellow]cancel requested[/] {cancel.get('requested', '')[:19]} by "
                       f"{cancel.get('by')}: {cancel.get('reason')}")

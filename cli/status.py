@@ -10,7 +10,7 @@ import typer
 
 from cli.console import console, errors, fail, quiet_logs, shown
 from cli.members import members, print_members
-from cli.progress import print_status
+from cli.progress import print_status, shard_statuses, silent_for
 from cli.train import open_named_run
 from flows import cancel as cancelling
 from flows.control import cancel_request, read_launcher, request_cancel
@@ -29,7 +29,10 @@ def status(
     rows = members(exchange)
     if as_json:
         snap = snapshot(exchange)
-        print(json.dumps({"run_url": url, **snap, "members": rows,
+        shards = {n: {**st, "silent_s": silent_for(st)} for n, st in
+                  shard_statuses(exchange).items()}
+        print(json.dumps({"run_url": url, **snap, "aggregator_shards": shards,
+                          "members": rows,
                           "cost": run_cost(snap, exchange.manifest.config),
                           "launcher": launcher,
                           "cancel": cancel, "store": {"bytes": size.total_bytes,

@@ -35,7 +35,7 @@ from prefect.states import Cancelled
 from diloco.aggregator import Aggregator, RoundReport, Stall
 from diloco.run import load_initial, plan_for
 from flows import launcher_gone
-from flows.control import CancelWatch, ParentWatch, cancel_request
+from flows.control import CancelWatch, ParentWatch, cancel_request, shard_board
 from flows.jobs import (
     EXIT_CODES,
     EXIT_USAGE,
@@ -62,6 +62,9 @@ log = logging.getLogger(__name__)
 NAME = "aggregator"
 #: After a cancel request, how long the aggregator waits for the workers to stop.
 DRAIN_S = 120.0
+#: A shard job (1..K-1) writes its status after a poll at most this often: its last
+#: poll, so a dead shard's status ages (`shard_board`).
+SHARD_HEARTBEAT_S = 5.0
 #: After SIGTERM/SIGINT, the same, within the grace period of those who send them
 #: (Prefect kills a cancelled flow run's process 30 s after SIGTERM). A second
 #: signal stops it at once.
@@ -348,7 +351,37 @@ def run_shard_job(run_url: str, storage_options: dict | None = None, *, shard: i
                          f"aggregator.shards = {exchange.shards}, got {shard}")
     stop = stop or threading.Event()
     status_store = ObjectStore(run_url, storage_options=storage_options, name="aggregator-status")
-    agg = ShardAggregator(exchange, shard=shard)
+    board = StatusBoard(status_store, shard_board(shard))
+    total = sum(exchange.manifest.rounds)
+    try:
+        agg = ShardAggregator(exchange, shard=shard)
+    except Exception as exc:
+        set_state(status_store, board.name, "failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+    board.register(shard=shard, resumed_at=sum(agg.next_round))
+    heartbeat = max(SHARD_HEARTBEAT_S, agg.config.poll_max_s)
+    stalled: list[dict[str, Any]] = []
+
+    def progress(state: str = "running", force: bool = False, **extra: Any) -> None:
+        """Its rounds and, every ``heartbeat`` s at most, its last poll (the status's
+        ``updated``): a shard that stops polling (a dead job) shows in diloco status."""
+        board.update(state, force=force, min_interval=heartbeat, shard=shard,
+                     rounds=sum(agg.next_round), total_rounds=total, stalled=stalled,
+                     heartbeat_s=heartbeat, **extra)
+
+    def on_stall(stalls: list[Stall]) -> None:
+        stalled[:] = [{**asdict(s), "text": s.describe()} for s in stalls]
+        progress(force=True)
+
+    poll = agg.poll_once
+
+    def polled() -> bool:
+        progressed = poll()
+        progress(force=progressed)
+        return progressed
+
+    agg.poll_once, agg.on_stall = polled, on_stall
+    progress(force=True)
 
     def after_shard_0(_request: dict | None) -> None:
         def wait() -> None:
@@ -369,13 +402,17 @@ def run_shard_job(run_url: str, storage_options: dict | None = None, *, shard: i
     try:
         with stop_on_signals(stop):
             agg.run(stop)
+    except Exception as exc:
+        progress("failed", force=True, error=f"{type(exc).__name__}: {exc}")
+        raise
     finally:
         for w in watchers:
             w.stop()
     state = ("finished" if agg.done else
              "cancelled" if cancel_request(status_store) is not None else "interrupted")
+    progress(state, force=True)
     return {"state": state, "shard": shard, "rounds": sum(agg.next_round),
-            "total_rounds": sum(exchange.manifest.rounds)}
+            "total_rounds": total}
 
 
 def prefect_log(message: str) -> None:

@@ -61,6 +61,12 @@ def _read_json(store: ObjectStore, key: str) -> dict[str, Any] | None:
 # -- the cancel request ---------------------------------------------------------------
 
 
+def shard_board(shard: int) -> str:
+    """The status board of aggregator shard ``shard`` >= 1 (``members/aggregator/s{S}/
+    status.json``: under the aggregator's own keys, so no worker name can take it)."""
+    return f"{layout.AGGREGATOR}/s{shard}"
+
+
 def request_cancel(store: ObjectStore, reason: str = "") -> dict[str, Any]:
     """Ask every job of the run to stop (they checkpoint first). Idempotent."""
     existing = cancel_request(store)
