@@ -112,17 +112,22 @@ def stop_one_rank(url: str, logs: Path, rank: int, after_step: int) -> int:
     return stopped
 
 
-def test_sigterm_to_one_rank_stops_the_island_together_and_it_resumes(tmp_path, data_url):
-    """SIGTERM to rank 1 (the rank that does not checkpoint), then, restarted, to rank 0:
-    both times every rank exits 143 after the same step, the checkpoint is that step's,
-    and the restart goes on from it."""
-    with running_run(tmp_path, data_url, steps=400) as url:
+@pytest.mark.parametrize("island", ["replicate", "fsdp"])
+def test_sigterm_to_one_rank_stops_the_island_together_and_it_resumes(tmp_path, data_url,
+                                                                       island):
+    """SIGTERM to rank 1 (the rank that does not commit the checkpoint), then, restarted,
+    to rank 0: both times every rank exits 143 after the same step, the checkpoint is
+    that step's (an fsdp island's holds every rank's shards), and the restart goes on
+    from it."""
+    with running_run(tmp_path, data_url, 400, f"train.island={island}") as url:
         first = stop_one_rank(url, tmp_path / "a", rank=1, after_step=3)
         second = stop_one_rank(url, tmp_path / "b", rank=0, after_step=first + 2)
     err = (tmp_path / "b" / "err0").read_text()
     assert f"resumed from the checkpoint of step {first}" in err
     assert min(int(s) for s in STEP.findall(err)) == first + 1  # nothing redone, no gap
     assert second > first
+    _, state = checkpoint.load(ObjectStore(url), "solo")
+    assert (state["shards"] is not None) == (island == "fsdp")
 
 
 def test_sigterm_to_torchrun_stops_the_island_with_a_checkpoint(tmp_path, data_url):

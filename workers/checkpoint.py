@@ -5,15 +5,29 @@ A checkpoint is any nested structure of dicts, lists, numbers, strings and tenso
 states). Tensors become lossless zarr arrays; the rest becomes the JSON skeleton in
 the commit record. Keys: ``workers/{worker}/ckpt/{step:08d}`` plus its commit
 ``.json``; written once, never overwritten; the newest committed one is loaded.
+
+A sharded (``train.island: fsdp``) island's model and AdamW state are not in the
+skeleton: each rank writes its own shards with torch.distributed.checkpoint into
+``{step:08d}/dcp-{id}`` (`shards_key`) of the same store, through the store's
+fsspec filesystem (`shards_writer`, `shards_reader`), and the skeleton names that
+directory. The commit record is written only after every rank finished its shards,
+so it stays the one atomic switch: a crash before it leaves the previous checkpoint
+the newest, and the orphan directory is what ``diloco gc`` removes as "never
+committed". Retention deletes a checkpoint's whole ``{step:08d}`` prefix, shards too.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint import Metadata
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from storage import layout
 from storage.checkpoints import committed_keys, read_checkpoint, write_checkpoint
@@ -79,6 +93,57 @@ def _unflatten(obj: Any, arrays: dict[str, np.ndarray]) -> Any:
 
 def _key(worker: str, step: int) -> str:
     return f"{layout.worker_checkpoints(worker)}/{step:08d}"
+
+
+def exists(store: ObjectStore, worker: str, step: int) -> bool:
+    """Whether a checkpoint of ``worker`` after step ``step`` is committed."""
+    return store.exists(f"{_key(worker, step)}.json")
+
+
+def shards_key(worker: str, step: int) -> str:
+    """A new directory for one attempt at a sharded checkpoint of ``step`` (fresh per
+    attempt, so a crashed attempt's files are never mixed with a later one's)."""
+    return f"{_key(worker, step)}/dcp-{uuid.uuid4().hex[:12]}"
+
+
+def shards_writer(store: ObjectStore, key: str) -> FsspecWriter:
+    """A DCP writer into ``key`` of ``store`` on the store's own filesystem (its
+    credentials and endpoint): one file per rank plus rank 0's ``.metadata``."""
+    writer = FsspecWriter(store.fs_path(key), single_file_per_rank=True, overwrite=False)
+    writer.fs.fs, writer.path = store.fs, store.fs_path(key)
+    return writer
+
+
+def shards_reader(store: ObjectStore, key: str) -> FsspecReader:
+    """A DCP reader of the sharded checkpoint at ``key`` of ``store``."""
+    reader = FsspecReader(store.fs_path(key))
+    reader.fs.fs, reader.path = store.fs, store.fs_path(key)
+    return reader
+
+
+def read_shards(store: ObjectStore, ref: dict) -> dict[str, Any]:
+    """The whole state a sharded checkpoint (a ``shards`` entry) holds, read into this
+    one process (no process group): ``{"model": ..., "optimizer": ...}`` keyed by
+    parameter name, as a replicated island's checkpoint holds them; for tools and
+    tests (a resume reads only each rank's part: `workers.island.Island.load_shards`)."""
+    state: dict[str, Any] = {}  # filled as torch's dcp_to_torch_save fills it
+    _load_state_dict(state, storage_reader=shards_reader(store, ref["key"]),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
+
+
+def count_shards(store: ObjectStore, key: str, metadata: Metadata) -> int:
+    """Record the bytes every rank wrote for the sharded checkpoint at ``key`` in
+    ``store``'s traffic (DCP writes past `ObjectStore`, and the bill counts
+    checkpoint bytes); returns them. ``metadata``: what ``dcp.save`` returned."""
+    sizes: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0),
+                                        info.offset + info.length)
+    sizes[".metadata"] = store.size(f"{key}/.metadata")
+    for name, size in sizes.items():
+        store.traffic.record("put", f"{key}/{name}", up=size, stored=True)
+    return sum(sizes.values())
 
 
 def save(store: ObjectStore, worker: str, step: int, state: dict[str, Any], keep: int = 1) -> bool:

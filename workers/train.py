@@ -279,7 +279,10 @@ class WorkerLoop:
                 elastic.catch_up(self, fresh=True, reason="starting behind the run")
             return
         step, state = saved
-        self.island.load_state(self.opt, state["model"], state["optimizer"])
+        if state.get("shards") is not None:  # each rank reads its shards
+            self.island.load_shards(self.opt, self.ckpt_store, state["shards"])
+        else:  # the whole state (a replicated island, or an older sharded checkpoint)
+            self.island.load_state(self.opt, state["model"], state["optimizer"])
         self.stream.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"])
         if self.sync is not None:
@@ -293,14 +296,21 @@ class WorkerLoop:
             elastic.catch_up(self, fresh=False, reason="resumed behind the run")
 
     def save(self) -> None:
-        # an island saves once (rank 0; a sharded one gathers its state to rank 0 first);
-        # in the baseline every rank is a worker
-        model_state, opt_state = self.island.whole_state(self.opt)
+        # an island saves once (rank 0), a sharded one with every rank's shards written
+        # first (`_save_shards`); in the baseline every rank is a worker
+        shards = model_state = opt_state = None
+        if self.island.sharded:
+            shards = self._save_shards()
+            if shards is None:
+                return
+        else:
+            model_state, opt_state = self.island.whole_state(self.opt)
         if not (self.group.leader or self.cfg.train.strategy == "data_parallel"):
             return
         state = {
             "model": model_state,
             "optimizer": opt_state,
+            "shards": shards,
             "data": self.stream.state_dict(),
             "rng": torch.get_rng_state(),
             "tokens": self.tokens,
@@ -315,6 +325,19 @@ class WorkerLoop:
                 patience_s=self.cfg.sync.outage_s, log=log, pause_s=2.0,
                 what=f"worker {self.worker}: checkpoint at step {self.step}")
         log.info("worker %s: checkpoint at step %d", self.worker, self.step)
+
+    def _save_shards(self) -> dict | None:
+        """Every rank of a sharded island: its shards of the model and AdamW state into
+        a fresh directory rank 0 names (None, and nothing written, when this step's
+        checkpoint is committed already: a stop right after a periodic save). A store
+        outage is ridden out for up to ``sync.outage_s``; a failed write raises on
+        every rank and the newest committed checkpoint stays in force."""
+        def new_key() -> str | None:
+            if checkpoint.exists(self.ckpt_store, self.worker, self.step):
+                return None
+            return checkpoint.shards_key(self.worker, self.step)
+        return self.island.outlast_save(self.opt, self.ckpt_store, new_key,
+                                        patience_s=self.cfg.sync.outage_s)
 
     # -- the loop ------------------------------------------------------------------
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
