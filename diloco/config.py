@@ -21,6 +21,7 @@ EagerRule = Literal["adaptive", "pure"]
 Pattern = Literal["strided", "sequential"]
 OuterStep = Literal["nesterov", "average"]
 MeanFrom = Literal["aggregator", "peers"]
+OuterDevice = Literal["cpu", "device"]
 
 # Outer optimizer defaults per mode (docs/algorithms.md sections 2 and 6). Blocking and
 # streaming use DiLoCo's 0.7 / 0.9. Stale updates and outer momentum do not mix
@@ -109,6 +110,12 @@ class SyncConfig(BaseModel):
         "(codec_down); peers: the aggregator commits only the weights and each worker "
         "averages the contributions it names itself (no second rounding, M - 1 reads); "
         "default: peers for a sparse codec_up, else aggregator"
+    )
+    outer_device: OuterDevice = Field(
+        default="cpu", description="where a worker keeps its float32 outer state (outer "
+        "parameters and momentum): cpu (beside the aggregator's, bit for bit), or device: "
+        "on the device of the model it syncs (a GPU: no host copy of the live fragment; "
+        "deltas and means cross through pinned memory without blocking)"
     )
     split_tensors: bool = Field(
         default=True, description="fragments may cut a tensor, so each holds 1/P of the "

@@ -136,13 +136,24 @@ class FragmentPlan:
         two fragments appears once): what an island broadcasts after a full sync."""
         return list(dict.fromkeys(p.name for f in self.fragments for p in f.params))
 
-    def gather(self, model: nn.Module, index: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather(self, model: nn.Module, index: int, out: torch.Tensor | None = None,
+               on_device: bool = False) -> torch.Tensor:
         """Fragment ``index`` of ``model`` as a flat float32 CPU vector. From a CUDA
         model the pieces are copied without waiting, into pinned memory, and the stream
-        is synchronised once at the end (on the CPU the same copies, in order)."""
+        is synchronised once at the end (on the CPU the same copies, in order).
+        ``on_device``: the vector stays on the model's device instead (the outer state
+        kept there, ``sync.outer_device: device``): no host copy, no wait."""
         frag = self.fragments[index]
         named = dict(model.named_parameters())
         device = named[frag.params[0].name].device if frag.params else torch.device("cpu")
+        if on_device and device.type != "cpu":
+            out = torch.empty(frag.numel, dtype=torch.float32, device=device)
+            offset = 0
+            with torch.no_grad():
+                for spec in frag.params:
+                    out[offset : offset + spec.numel].copy_(_flat(named[spec.name], spec))
+                    offset += spec.numel
+            return out
         cuda = device.type == "cuda"
         if out is None:
             out = torch.empty(frag.numel, dtype=torch.float32, pin_memory=cuda)
@@ -176,6 +187,29 @@ class FragmentPlan:
                 else:
                     _flat(p, spec).copy_(flat[offset : offset + n], non_blocking=cuda)
                 offset += n
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU (itself if it is there): from CUDA through pinned memory
+    without blocking, then one wait on the stream before the caller reads it."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return out
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (on the CPU) on ``device`` (itself for the CPU): to CUDA from pinned
+    memory without blocking the host; the copy is ordered before the next kernels
+    on the stream, and the pinned buffer is held until it is done (torch's caching
+    host allocator records the stream)."""
+    if device.type != "cuda":
+        return t.to(device)
+    if t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def _label(p: dict) -> str:

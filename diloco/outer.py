@@ -1,9 +1,12 @@
 """Outer state of one fragment: its outer parameters and Nesterov momentum.
 
-Workers and the aggregator both keep this state on the CPU in float32 and step it
-with ``torch.optim.SGD(lr, momentum, nesterov=True)`` fed the decoded mean as
-``.grad`` (docs/algorithms.md section 1). Same input bytes and same kernels: every party
-that applies the same means computes the same bits, which the tests check.
+Workers and the aggregator both keep this state in float32 and step it with
+``torch.optim.SGD(lr, momentum, nesterov=True)`` fed the decoded mean as ``.grad``
+(docs/algorithms.md section 1). Same input bytes and same kernels: every party that
+applies the same means computes the same bits, which the tests check. It lives on
+the CPU, or, for a worker with ``sync.outer_device: device``, on its training
+device (no host copy of the live fragment per send or merge; on a GPU the SGD
+kernels may round differently from the aggregator's CPU ones).
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import torch
 class OuterState:
     """theta_out[p] and the SGD-Nesterov optimizer that moves it."""
 
-    def __init__(self, params: torch.Tensor, lr: float, momentum: float):
-        self.params = params.detach().to(dtype=torch.float32, device="cpu").clone()
+    def __init__(self, params: torch.Tensor, lr: float, momentum: float,
+                 device: torch.device | str = "cpu"):
+        self.params = params.detach().to(dtype=torch.float32, device=device).clone()
         self.lr = lr
         self.momentum = momentum
         self._opt = torch.optim.SGD(
@@ -24,8 +28,9 @@ class OuterState:
 
     def step(self, grad: torch.Tensor) -> torch.Tensor:
         """One outer step with outer gradient ``grad`` ("old minus new"); returns the
-        new outer parameters (the state's own tensor, do not modify)."""
-        self.params.grad = grad.to(dtype=torch.float32, device="cpu")
+        new outer parameters (the state's own tensor, do not modify). ``grad`` should
+        be on the state's device already (a CPU one is copied there, blocking)."""
+        self.params.grad = grad.to(dtype=torch.float32, device=self.params.device)
         self._opt.step()
         self.params.grad = None
         return self.params
@@ -47,5 +52,5 @@ class OuterState:
         self._opt.state.clear()
         if momentum_buffer is not None:
             self._opt.state[self.params]["momentum_buffer"] = (
-                momentum_buffer.detach().to(torch.float32).clone()
+                momentum_buffer.detach().to(device=self.params.device, dtype=torch.float32).clone()
             )

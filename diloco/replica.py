@@ -7,7 +7,9 @@ At the merge step it collects what its mode needs from them (the mean, waited fo
 in the blocking modes; the means that have arrived, in eager mode), computes the
 outer gradient with a rule of `diloco.rules`, steps the outer state and merges the
 live weights. All outer state is float32 on the CPU, as on the aggregator, so in
-the non-eager modes every worker holds the canonical outer state bit for bit.
+the non-eager modes every worker holds the canonical outer state bit for bit; with
+``sync.outer_device: device`` it is on the model's device instead (on a GPU the
+deltas go to the host, and the means to the device, through pinned memory).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import nn
 
 from diloco import rules
 from diloco.config import SyncConfig
-from diloco.fragments import FragmentPlan
+from diloco.fragments import FragmentPlan, to_device, to_host
 from diloco.inflight import InFlight, MergeAbandoned, Round
 from diloco.outer import OuterState
 from diloco.overlap import AutoOverlap
@@ -140,7 +142,12 @@ class Synchronizer:
             self.schedule.stride, self.total_steps, start=self.config.send_offset,
             margin=self.config.overlap_margin)
         init = load_initial(exchange, len(plan))
-        self.outer = [OuterState(v, self.config.eta, self.config.mu) for v in init]
+        #: where the outer state lives (sync.outer_device): the CPU or the model's device
+        self.device = torch.device("cpu")
+        if self.config.outer_device == "device":
+            self.device = next(model.parameters()).device
+        self.on_device = self.device.type != "cpu"
+        self.outer = [OuterState(v, self.config.eta, self.config.mu, self.device) for v in init]
         if initialise:
             for p, state in enumerate(self.outer):
                 plan.scatter(model, p, state.params)
@@ -290,7 +297,8 @@ class Synchronizer:
         if r >= self.rounds[p]:
             raise RuntimeError(f"fragment {p}: round {r} is past the run's {self.rounds[p]} rounds")
         self._next_round[p] = r + 1
-        delta = rules.outer_gradient(self.outer[p].params, self.plan.gather(self.model, p))
+        live = self.plan.gather(self.model, p, on_device=self.on_device)
+        delta = to_host(rules.outer_gradient(self.outer[p].params, live))  # the codecs' side
         tokens = self._tokens - self._tokens_at_send[p]
         self._tokens_at_send[p] = self._tokens
         self.inflight.send(p, r, delta, tokens=tokens, final=final, step=self.stats.steps,
@@ -312,8 +320,10 @@ class Synchronizer:
             grad = self._pure_eager(sent)
         else:
             grad = self._adaptive_eager(sent, wait=final)
+        if grad is not None:
+            grad = to_device(grad, self.device)
         alpha = 0.0 if final else self.alpha
-        live = None if alpha == 0.0 else self.plan.gather(self.model, p)
+        live = None if alpha == 0.0 else self.plan.gather(self.model, p, on_device=self.on_device)
         self.plan.scatter(self.model, p, rules.merge(self.outer[p], grad, alpha, live))
         self.stats.rounds_merged += 1
         self.inflight.forget(p)
@@ -363,7 +373,8 @@ class Synchronizer:
         for s in owed:
             s.correction_applied = True
         if correction is not None:
-            self.plan.scatter(self.model, p, rules.correct(self.outer[p], correction))
+            self.plan.scatter(self.model, p,
+                              rules.correct(self.outer[p], to_device(correction, self.device)))
 
     # -- checkpoint and resume -------------------------------------------------------
     def state_dict(self) -> dict:
