@@ -35,6 +35,7 @@ from diloco.config import SyncConfig
 from diloco.gate import Gate, Inbox, parse_key
 from diloco.membership import Roster
 from diloco.outer import OuterState
+from diloco.pacing import Pacer
 from diloco.run import latest_global, load_initial
 from storage import layout
 from storage.arrays import Coded
@@ -139,6 +140,7 @@ class Aggregator:
         self.roster = Roster(exchange.store, self.manifest, lease_s=self.config.lease_s,
                              slots=slots or 2 * len(self.manifest.workers))
         self.gate = Gate(exchange, self.config, self.roster, name)
+        self.pacer = Pacer(len(self.manifest.rounds))
         # a peers mean is never encoded: nothing is lost on the way down to feed back
         self.feedback = (self.config.feedback(self.manifest.codec_down.name)
                          and not exchange.from_peers)
@@ -210,7 +212,9 @@ class Aggregator:
                     f"aggregator {self.name}: rounds still open after {timeout:.0f} s: "
                     f"next rounds {self.next_round} of {self.manifest.rounds}"
                 )
-            stop.wait(delay)
+            waiting = [(p, r) for p, r in enumerate(self.next_round)
+                       if r < self.manifest.rounds[p]]
+            stop.wait(self.pacer.delay(time.monotonic(), waiting, delay, base))
             delay = min(delay * 1.5, self.config.poll_max_s)
         return self.stats
 
@@ -334,6 +338,7 @@ class Aggregator:
             committed = self.exchange.committed_workers(p, r)
             if not committed:
                 return False
+            self.pacer.arrived(p, r, time.monotonic())
             inbox = self._collect(p, r, committed)
             if not self.gate.ready(p, r, inbox):
                 return False
