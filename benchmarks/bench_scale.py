@@ -11,13 +11,13 @@
 **Sizes small and 150m.** A real run of the recipe on this machine, M = 2, its own
 P, ``overlap: auto``, H = P * ``--stride``, H + stride steps, each size in a process
 of its own (``benchmarks.scale_recipes``, whose docstring lists every change to the
-recipe): per-round seconds of every stage (below, plus ``merge``, the worker's merge
-of a mean), the CPU inner-step time, each worker's blocked time per round and its
+recipe): per-round seconds of every stage (below, plus the worker's ``send``, its
+outer gradient, and ``merge`` of a mean, both on its training loop), the CPU inner-step time, each worker's blocked time per round and its
 share of the round (measured: everything but the final drain), and peak RSS per
 party over the model's float32 size (a worker against 3x plus AdamW's 2x). The
 blocked share is also modelled, as for 1B below, with the recipe's own H at the
 measured CPU step and at a stated GPU step (``--gpu-step-s-small``,
-``--gpu-step-s-150m``), the merge counted as blocked.
+``--gpu-step-s-150m``), the send and merge counted as blocked.
 
 **Exchange round.** The model's P fragments have the sizes of ``split_sizes(N, P)``
 (diloco/arithmetic.py); a round moves one fragment (streaming DiLoCo), fragment 0.
@@ -190,7 +190,9 @@ def party(role: str, url: str, options: dict[str, Any]) -> dict[str, Any]:
     elif role == "aggregator":
         base = _reset_peak()
         t0 = time.perf_counter()
-        values = {w: ex.fetch_delta(0, 0, w)[0] for w in workers}
+        # as diloco/aggregator.py: each kept encoded, its norm from a first chunked pass
+        values = {w: ex.hold_delta(0, 0, w)[0] for w in workers}
+        norms = {w: values[w].sumsq() for w in workers}  # noqa: F841 - the norm guard's
         t1 = time.perf_counter()
         got = clock.take()
         mean = weighted_sum(n, values, {w: 1.0 / len(workers) for w in workers})
@@ -307,8 +309,8 @@ def reduce_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 def blocked(latency_s: float, step_s: float, sync_every: int, fragments: int,
             merge_s: float = 0.0) -> dict[str, Any]:
     """The modelled share of a round a worker waits, with ``overlap: auto``: the
-    round is its H/P steps plus the wait; ``merge_s``, the merge of the mean into the
-    live weights, is never hidden."""
+    round is its H/P steps plus the wait; ``merge_s``, the work on the training loop
+    (the send's outer gradient, the merge of the mean), is never hidden."""
     steps = sync_every // fragments
     tau = steps - 1
     wait = max(0.0, latency_s - tau * step_s) + merge_s
@@ -332,7 +334,8 @@ def size_rows(args: argparse.Namespace, sizes: list[str]) -> list[dict[str, Any]
     rows = []
     for size in sizes:
         row = child(size, argv)
-        merge, steps = row["stages_s"].get("merge", 0.0), row["recipe_sync_every"]
+        steps = row["recipe_sync_every"]
+        merge = sum(row["stages_s"].get(k, 0.0) for k in ("send", "merge"))  # on the loop
         cpu_step = max(w["step_s"] for w in row["per_worker"])
         gpu_step = getattr(args, f"gpu_step_s_{size}")
         row["blocked_cpu_model"] = blocked(row["latency_s"], cpu_step, steps,
@@ -351,13 +354,13 @@ def _pct(x: float | None) -> str:
 def sizes_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """Stage seconds per round and the per-size table of the recipe runs."""
     names = [f"{r['recipe']} ({r['params'] / 1e6:.1f}M)" for r in rows]
-    order = [*STAGES, "merge"]
+    order = [*STAGES, "send", "merge"]
     lines = ["Per model size: a real run on this machine of each recipe, M = 2, its P, "
              "overlap auto, the CPU, local disk (settings in the second table)", "",
              md_table(["stage (s per round)", *names], [
                  [s, *(f"{r['stages_s'][s]:.3g}" if s in r["stages_s"] else "" for r in rows)]
                  for s in order if any(s in r["stages_s"] for r in rows)] + [
-                 ["sum (latency, merge apart)", *(f"{r['latency_s']:.2f}" for r in rows)],
+                 ["sum (latency; send, merge apart)", *(f"{r['latency_s']:.2f}" for r in rows)],
                  ["rounds completed (aggregator)", *(
                      f"{r['aggregator_rounds']} ({r['completed']})" for r in rows)]]), ""]
 
@@ -402,7 +405,8 @@ def sizes_markdown(rows: list[dict[str, Any]]) -> list[str]:
               "Blocked: a worker's time in the calls that talk to the store "
               "(benchmarks/timed_worker.py) outside the final drain, per merge point; "
               "share: of the training loop without the drain. The models: "
-              "max(0, latency - (H/P - 1) x step) + merge per round of H/P steps."]
+              "max(0, latency - (H/P - 1) x step) + send + merge per round of H/P steps "
+              "(both run on the training loop)."]
     return lines
 
 

@@ -24,7 +24,8 @@ Each worker is a ``benchmarks.timed_worker`` process (``benchmarks.contenders.
 run_processes``), the aggregator a thread of this process; both time their stages
 with ``benchmarks.stages``. Per worker: the inner step's compute seconds, its blocked
 time (``timed_worker``: the calls that talk to the store) outside the final drain,
-and of that the wait for means. Peak RSS: ``VmHWM`` of each worker process, and of
+and of that the wait for means; ``send`` (the outer gradient of a fragment) and
+``merge`` run on the training loop, the other stages beside it. Peak RSS: ``VmHWM`` of each worker process, and of
 this process from just before the workers start (the aggregator's, with this
 process's own base beside it).
 """
@@ -52,7 +53,9 @@ class Size:
 
 SIZES = {"small": Size("small", seq_len=64, batch_size=4),
          "150m": Size("gpu-150m", seq_len=128, batch_size=2)}
-WORKER_STAGES = ("encode", "upload", "fetch_download", "fetch_decode", "merge")
+WORKER_STAGES = ("encode", "upload", "fetch_download", "fetch_decode", "send", "merge")
+#: the worker's own stages, on its training loop: never hidden by the overlap
+ON_LOOP = ("send", "merge")
 AGGREGATOR_STAGES = ("download", "decode", "reduce", "mean_encode", "mean_upload")
 
 
@@ -140,7 +143,7 @@ def run(size: str, stride: int, seq_len: int, batch_size: int, extra: list[str]
             stage_s[k] = max(stage_s.get(k, 0.0), v)
     stage_s.update(per_round(agg_stages, AGGREGATOR_STAGES[:2], rounds))
     stage_s.update(per_round(agg_stages, AGGREGATOR_STAGES[2:]))
-    latency = sum(v for k, v in stage_s.items() if k != "merge")
+    latency = sum(v for k, v in stage_s.items() if k not in ON_LOOP)
     return {
         "size": size, "recipe": SIZES[size].recipe, "params": n, "workers": len(results),
         "fragments": cfg.sync.fragments, "sync_every": h, "steps": cfg.train.steps,

@@ -1,5 +1,6 @@
 """Where a party's exchange time goes in a real run: encode, upload, download, decode,
-reduce, merge, and the worker's wait for means, split by thread.
+reduce, the worker's send (its outer gradient) and merge, and its wait for means,
+split by thread.
 
 ``install()`` wraps, process-wide, the calls that make up a round (the worker's
 `Exchange` and `Synchronizer` methods, the aggregator's reduce) and the
@@ -129,6 +130,7 @@ def install() -> StageClock:
             (getattr(arrays, "Coded", None), "sumsq", "decode"),
             (exchange.Exchange, "publish_mean", "publish_mean"),
             (aggregator.Aggregator, "_mean", "reduce"),
+            (replica.Synchronizer, "_send", "send"),  # the outer gradient, on the loop
             (replica.Synchronizer, "_merge", "merge"),
             (replica.Synchronizer, "finish", "drain"),
             (inflight.InFlight, "wait_mean", "wait")):

@@ -87,7 +87,7 @@ def test_recipe_sizes_run_for_real(tmp_path):
         assert row["steps"] == 2 * p + 2 and row["completed"]
         assert row["aggregator_rounds"] == 2 * p + 1  # fragment 0 twice, the rest once, p finals
         assert "sync.overlap=auto" in row["overrides"]
-        assert set(row["stages_s"]) == {*bench_scale.STAGES, "merge"}
+        assert set(row["stages_s"]) == {*bench_scale.STAGES, "send", "merge"}
         assert all(v >= 0 for v in row["stages_s"].values()) and row["latency_s"] > 0
         assert [w["worker"] for w in row["per_worker"]] == ["w0", "w1"]
         for w in row["per_worker"]:
@@ -104,7 +104,7 @@ def test_recipe_sizes_run_for_real(tmp_path):
     assert mid["blocked_gpu_model"]["step_s"] == 0.3  # the stated 150M GPU step
     md = (tmp_path / "scale.md").read_text()
     assert "gpu-150m" in md and "a model at a stated GPU step" in md
-    assert "| merge |" in md and "worker peak RSS" in md
+    assert "| merge |" in md and "| send |" in md and "worker peak RSS" in md
 
 
 def test_stage_clock_names_own_time_and_drain():
