@@ -108,8 +108,12 @@ def shards_key(worker: str, step: int) -> str:
 
 def shards_writer(store: ObjectStore, key: str) -> FsspecWriter:
     """A DCP writer into ``key`` of ``store`` on the store's own filesystem (its
-    credentials and endpoint): one file per rank plus rank 0's ``.metadata``."""
-    writer = FsspecWriter(store.fs_path(key), single_file_per_rank=True, overwrite=False)
+    credentials and endpoint): one file per rank plus rank 0's ``.metadata``. Files
+    on a local disk are fsynced; an object store's upload is durable once it returns
+    (and DCP, finding no file descriptor there, would ``os.sync()`` the whole host)."""
+    protocols = store.fs.protocol if isinstance(store.fs.protocol, tuple) else (store.fs.protocol,)
+    writer = FsspecWriter(store.fs_path(key), single_file_per_rank=True, overwrite=False,
+                          sync_files="file" in protocols)
     writer.fs.fs, writer.path = store.fs, store.fs_path(key)
     return writer
 
