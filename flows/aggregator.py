@@ -35,7 +35,7 @@ from prefect.states import Cancelled
 from diloco.aggregator import Aggregator, RoundReport, Stall
 from diloco.run import load_initial, plan_for
 from flows import launcher_gone
-from flows.control import CancelWatch, ParentWatch, cancel_request, shard_board
+from flows.control import cancel_request, shard_board, watching
 from flows.jobs import (
     EXIT_CODES,
     EXIT_USAGE,
@@ -157,9 +157,6 @@ def run_aggregator_job(
 
         threading.Thread(target=wait_for_workers, name="drain", daemon=True).start()
 
-    watchers = [CancelWatch(status_store, drain, interval=cancel_poll_s)]
-    if exit_with_parent:
-        watchers.append(ParentWatch(stop.set))
     try:
         # sharded (K > 1): shard 0 evaluates the whole checkpoints once assembled
         sharded = exchange.shards > 1
@@ -300,12 +297,12 @@ def run_aggregator_job(
     agg.on_round = on_round
     agg.on_stall = on_stall
     progress("running", force=True)
-    for w in watchers:
-        w.start()
     try:
         # A signal usually comes with the workers' own (a cancelled parent, a pool
         # shutting down): reduce their last rounds first, so none stays blocked.
-        with stop_on_signals(stop, first=lambda: drain(None, SIGNAL_DRAIN_S)):
+        with watching(status_store, drain, stop, interval=cancel_poll_s,
+                      exit_with_parent=exit_with_parent), \
+                stop_on_signals(stop, first=lambda: drain(None, SIGNAL_DRAIN_S)):
             agg.run(stop)
             if agg.done:
                 final = maybe_evaluate(final=True)
@@ -319,8 +316,6 @@ def run_aggregator_job(
         set_state(status_store, NAME, "failed", error=f"{type(exc).__name__}: {exc}")
         raise
     finally:
-        for w in watchers:
-            w.stop()
         not_logged = close_hooks(hooks)
     if agg.done:
         state = "finished"
@@ -394,20 +389,13 @@ def run_shard_job(run_url: str, storage_options: dict | None = None, *, shard: i
 
         threading.Thread(target=wait, name="follow-shard-0", daemon=True).start()
 
-    watchers = [CancelWatch(status_store, after_shard_0, interval=cancel_poll_s)]
-    if exit_with_parent:
-        watchers.append(ParentWatch(stop.set))
-    for w in watchers:
-        w.start()
     try:
-        with stop_on_signals(stop):
+        with watching(status_store, after_shard_0, stop, interval=cancel_poll_s,
+                      exit_with_parent=exit_with_parent), stop_on_signals(stop):
             agg.run(stop)
     except Exception as exc:
         progress("failed", force=True, error=f"{type(exc).__name__}: {exc}")
         raise
-    finally:
-        for w in watchers:
-            w.stop()
     state = ("finished" if agg.done else
              "cancelled" if cancel_request(status_store) is not None else "interrupted")
     progress(state, force=True)

@@ -21,7 +21,8 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -144,6 +145,25 @@ class _Poller:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextmanager
+def watching(store: ObjectStore, on_cancel: Callable[[dict[str, Any]], None],
+             stop: threading.Event, *, interval: float = 2.0,
+             exit_with_parent: bool = False) -> Iterator[None]:
+    """What every job watches while it works: the run's cancel request (``on_cancel``,
+    polled every ``interval`` s) and, with ``exit_with_parent``, its launcher (gone:
+    ``stop`` is set)."""
+    watchers: list[_Poller] = [CancelWatch(store, on_cancel, interval=interval)]
+    if exit_with_parent:
+        watchers.append(ParentWatch(stop.set))
+    for w in watchers:
+        w.start()
+    try:
+        yield
+    finally:
+        for w in watchers:
+            w.stop()
 
 
 class CancelWatch(_Poller):

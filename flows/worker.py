@@ -32,7 +32,7 @@ from prefect import flow
 from prefect.states import Cancelled
 
 from flows import launcher_gone
-from flows.control import CancelWatch, ParentWatch, cancel_request
+from flows.control import cancel_request, watching
 from flows.jobs import (
     EXIT_CODES,
     EXIT_USAGE,
@@ -103,21 +103,15 @@ def run_worker_job(
         cancelled.set()
         stop.set()
 
-    watchers = [CancelWatch(control, on_cancel, interval=cancel_poll_s)]
-    if exit_with_parent:
-        watchers.append(ParentWatch(stop.set))
-    for w in watchers:
-        w.start()
     try:
-        with stop_on_signals(stop):
+        with watching(control, on_cancel, stop, interval=cancel_poll_s,
+                      exit_with_parent=exit_with_parent), stop_on_signals(stop):
             if nproc == 1:
                 out = _in_process(run_url, worker, storage_options, stop, cancelled, hooks,
                                   join=join, claim=claim)
             else:
                 out = _island(run_url, worker, storage_options, nproc, stop, cancelled, hooks)
     finally:
-        for w in watchers:
-            w.stop()
         not_logged = close_hooks(hooks)
     if out["state"] == "interrupted" and cancel_request(control) is not None:
         out["state"] = "cancelled"  # the launcher's SIGTERM came before our own poll
