@@ -38,6 +38,7 @@ from storage.zarr_codec import ZARR_CODEC_NAME, BlockQuantCodec, zarr_array_code
 
 # Largest chunk in elements; payloads above it are split so uploads run in parallel.
 MAX_CHUNK = 1 << 26
+_FINITE_BLOCK = 1 << 16  # values checked finite at a time when a chunk is decoded
 
 
 def _chunks(shape: tuple[int, ...], spec: CodecSpec | None, parts: int = 1,
@@ -156,18 +157,22 @@ def _encode_chunks(prefix: str, x: np.ndarray, codec: CodecSpec, parts: int,
     objects: dict = {}
     _zarr_array(objects, (n,), np.dtype(np.float32), codec, parts, align)  # zarr.json only
     blobs = {f"{prefix}/zarr.json": objects["zarr.json"].to_bytes()}
-    decoded = np.empty(n, np.float32)
-    for c, lo in enumerate(range(0, n, size)):
-        hi = min(n, lo + size)
-        if hi - lo == size:
-            payload, _ = roundtrip(x[lo:hi], codec, out=decoded[lo:hi])
-        else:
-            padded = np.zeros(size, np.float32)
-            padded[: hi - lo] = x[lo:hi]
-            payload, tail = roundtrip(padded, codec)
-            decoded[lo:hi] = tail[: hi - lo]
-        blobs[f"{prefix}/c/{c}"] = _crc(payload)
-    return blobs, decoded
+    count = -(-n // size)
+    # room for the last chunk's padding (under a block a chunk), so every chunk
+    # decodes straight into place; the padded last chunk goes first, while the
+    # pages of the rest are not yet touched, so its padded copy adds nothing to the peak
+    decoded = np.empty(count * size, np.float32)
+    payloads = {}
+    for c in [count - 1, *range(count - 1)]:
+        lo, hi = c * size, min(n, (c + 1) * size)
+        part = x[lo:hi]
+        if hi - lo < size:
+            part = np.zeros(size, np.float32)
+            part[: hi - lo] = x[lo:hi]
+        payloads[c] = _crc(roundtrip(part, codec, out=decoded[lo:lo + size])[0])
+        del part
+    blobs.update((f"{prefix}/c/{c}", payloads.pop(c)) for c in range(count))
+    return blobs, decoded[:n]
 
 
 def encode_array_with_zarr(
@@ -281,7 +286,8 @@ class Coded:
     same codec on the same chunk bytes (zarr pads the last chunk; so does this)."""
 
     spec: CodecSpec
-    blobs: dict[int, bytes]  # chunk index -> payload followed by its crc32c
+    payloads: dict[int, bytes]  # chunk index -> the codec's payload
+    crcs: dict[int, bytes]  # chunk index -> the crc32c stored after it
     chunks: range
     chunk_len: int
     n: int
@@ -295,38 +301,44 @@ class Coded:
     def hi(self) -> int:
         return min(self.n, self.chunks.stop * self.chunk_len)
 
+    def _chunk(self, c: int, out: np.ndarray) -> int:
+        """Decode chunk ``c`` into ``out`` (``chunk_len`` values: zarr pads the last
+        chunk), checked; returns how many of them are real."""
+        payload = self.payloads[c]
+        if self.crcs[c] != np.array([google_crc32c.value(payload)], "<u4").tobytes():
+            raise CorruptObject(f"{self.label}: chunk c/{c} fails its crc32c check "
+                                f"(stored and computed checksum do not match)")
+        try:
+            decode(payload, self.chunk_len, self.spec, out=out)
+        except NonFiniteValues as exc:
+            raise NonFiniteValues(f"{self.label}: {exc}; it is not applied") from exc
+        except Exception as exc:
+            raise CorruptObject(f"{self.label}: cannot be decoded: {exc}") from exc
+        real = min(self.n, (c + 1) * self.chunk_len) - c * self.chunk_len
+        for i in range(0, real, _FINITE_BLOCK):  # no chunk-sized boolean array
+            block = out[i:min(real, i + _FINITE_BLOCK)]
+            if not np.isfinite(block).all():
+                raise NonFiniteValues(f"{self.label}: NaN or Inf values in chunk c/{c}; "
+                                      f"it is not applied")
+        return real
+
     def pieces(self, scratch: np.ndarray | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """(offset from ``lo``, decoded values) of each chunk in turn, checked finite.
         The values live in ``scratch`` (float32, ``chunk_len``; allocated if None),
         overwritten by the next piece: use each before asking for the next."""
         buf = scratch if scratch is not None else np.empty(self.chunk_len, np.float32)
         for c in self.chunks:
-            a, b = c * self.chunk_len, min(self.n, (c + 1) * self.chunk_len)
-            blob = self.blobs[c]
-            payload = blob[:-4]
-            if blob[-4:] != np.array([google_crc32c.value(payload)], "<u4").tobytes():
-                raise CorruptObject(f"{self.label}: chunk c/{c} fails its crc32c check "
-                                    f"(stored and computed checksum do not match)")
-            try:
-                decode(payload, self.chunk_len, self.spec, out=buf)
-            except NonFiniteValues as exc:
-                raise NonFiniteValues(f"{self.label}: {exc}; it is not applied") from exc
-            except Exception as exc:
-                raise CorruptObject(f"{self.label}: cannot be decoded: {exc}") from exc
-            values = buf[: b - a]
-            if not np.isfinite(values).all():
-                bad = int((~np.isfinite(values)).sum())
-                raise NonFiniteValues(f"{self.label}: {bad} NaN or Inf values; it is not "
-                                      f"applied")
-            yield a - self.lo, values
+            real = self._chunk(c, buf)
+            yield c * self.chunk_len - self.lo, buf[:real]
 
     def decode(self) -> np.ndarray:
-        """All its values in one new array (what `read_array` returns)."""
-        out = np.empty(self.hi - self.lo, np.float32)
-        scratch = np.empty(self.chunk_len, np.float32)
-        for offset, values in self.pieces(scratch):
-            out[offset:offset + values.size] = values
-        return out
+        """All its values in one new array (what `read_array` returns): every chunk
+        decodes straight into place (the array has room for the last one's padding,
+        under a block a chunk)."""
+        out = np.empty(len(self.chunks) * self.chunk_len, np.float32)
+        for i, c in enumerate(self.chunks):
+            self._chunk(c, out[i * self.chunk_len:(i + 1) * self.chunk_len])
+        return out[:self.hi - self.lo]
 
     def sumsq(self) -> float:
         """The float64 sum of squares of its values, a chunk at a time (the norm
@@ -370,7 +382,7 @@ def hold_vector(
                             f"{ZARR_CODEC_NAME} with crc32c")
     chunk_len = meta.chunks[0]
     chunks = range(meta.cdata_shape[0]) if chunks is None else chunks
-    blobs = {}
+    payloads, crcs = {}, {}
     for c in chunks:
         name = meta.metadata.encode_chunk_key((c,))
         if name != f"c/{c}":
@@ -378,8 +390,9 @@ def hold_vector(
         if name not in objects:  # zarr would read it as zeros
             raise PartialObject(
                 f"{label}: chunk {store.full_url(f'{prefix}/{name}')} is not in its record")
-        blobs[c] = objects[name]
-    return Coded(codecs[0].spec, blobs, chunks, chunk_len, n, label)
+        blob = objects.pop(name)  # split, so no chunk is copied again when decoded
+        payloads[c], crcs[c] = blob[:-4], blob[-4:]
+    return Coded(codecs[0].spec, payloads, crcs, chunks, chunk_len, n, label)
 
 
 def sumsq(value: np.ndarray, block: int = 1 << 16) -> float:
