@@ -425,10 +425,12 @@ class Aggregator:
         return mean, self._with_residual(p, self._mean(p, values, weights))
 
     def _with_residual(self, p: int, acc: torch.Tensor) -> torch.Tensor:
-        """The value to publish: the mean plus the error-feedback residual (if on)."""
+        """The value to publish: the mean plus the error-feedback residual (if on),
+        added in place (``acc`` is a fresh sum no one else holds: one fragment-sized
+        array less at the aggregator's peak, the same float32 additions)."""
         if not self.feedback or self.residual[p] is None:
             return acc
-        return acc + self.residual[p]
+        return acc.add_(self.residual[p])
 
     def _checkpoint(self, p: int, r: int, weights: dict[str, float]) -> None:
         arrays = {"params": self.outer[p].params.numpy()}
