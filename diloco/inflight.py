@@ -67,11 +67,50 @@ class Round:
     own_applied: bool = False
     correction_applied: bool = False
     own_weight: float = 0.0
+    released: bool = False
 
     @property
     def arrived(self) -> bool:
         """The mean is here (a merge can use it without waiting)."""
         return self.mean.done()
+
+    @property
+    def settled(self) -> bool:
+        """Both parts are applied and the contribution is committed: no rule reads
+        the round's values again."""
+        return self.own_applied and self.correction_applied and self.uploaded.done()
+
+    def release(self) -> None:
+        """Let go of a settled round's values (its decoded contribution, its payload's
+        bytes and the mean: two fragment-sized float32 arrays and more) and keep its
+        commits, which the tau agreement, `InFlight.drain` and a checkpoint's record
+        still read. A worker held them for the newest settled round of every
+        fragment: twice the model's float32 size."""
+        if self.released or not self.settled or not self.arrived or self.mean.exception():
+            return
+        published: Published = self.uploaded.result()
+        self.encoded = self.uploaded = _settled(Published(_GONE, published.commit,
+                                                          published.created))
+        self.mean = _settled((_GONE, self.mean.result()[1]))
+        self.released = True
+
+
+#: what a released round holds instead of its values (an empty float32 vector)
+_GONE = np.empty(0, dtype=np.float32)
+
+
+def _settled(value: object) -> Future:
+    """A future that is done with ``value``."""
+    done: Future = Future()
+    done.set_result(value)
+    return done
+
+
+def _check_held(sent: Round, worker: str) -> None:
+    """Refuse to read the values of a released round (a bug, not a state to go on in)."""
+    if sent.released:
+        raise RuntimeError(f"worker {worker}: fragment {sent.fragment} round {sent.round} "
+                           "is settled and its values are released")
 
 
 class InFlight:
@@ -141,13 +180,19 @@ class InFlight:
         self._rounds[(p, r)] = Round(p, r, encoded, uploaded, mean)
 
     def _encode(self, p: int, r: int, delta: torch.Tensor, previous: Round | None) -> Prepared:
-        if self.feedback:
-            if previous is not None:
-                previous.encoded.result()  # its residual is set when it finishes
-            delta = rules.with_residual(delta, self.residual[p], self.config.beta)
-        prepared = self.exchange.prepare_delta(p, r, self.worker, delta.numpy())
-        if self.feedback:
-            self.residual[p] = rules.residual_of(delta, torch.from_numpy(prepared.decoded))
+        """Encode ``delta`` plus the fragment's residual. The sum, and then the new
+        residual, are written over the old residual (nothing else reads it while an
+        encode runs: a checkpoint drains first), so a round allocates only what the
+        codec returns; ``delta`` itself is left as it was."""
+        if not self.feedback:
+            return self.exchange.prepare_delta(p, r, self.worker, delta.numpy())
+        if previous is not None:
+            previous.encoded.result()  # its residual is set when it finishes
+        residual = self.residual[p]
+        x = rules.with_residual(delta, residual, self.config.beta, out=residual)
+        prepared = self.exchange.prepare_delta(p, r, self.worker, x.numpy())
+        self.residual[p] = rules.residual_of(x, torch.from_numpy(prepared.decoded),
+                                             out=residual)
         return prepared
 
     def _upload(self, encoded: Future, tokens: int, extra: dict) -> Published:
@@ -245,6 +290,7 @@ class InFlight:
     def own(self, sent: Round) -> torch.Tensor:
         """This worker's decoded contribution as the aggregator sees it (the
         committed value once uploaded: a restarted worker's earlier commit wins)."""
+        _check_held(sent, self.worker)
         if sent.uploaded.done():
             return torch.from_numpy(np.asarray(sent.uploaded.result().decoded))
         return torch.from_numpy(np.asarray(sent.encoded.result().decoded))
@@ -254,6 +300,7 @@ class InFlight:
         if not sent.arrived:
             raise RuntimeError(f"worker {self.worker}: the mean of fragment "
                                f"{sent.fragment} round {sent.round} has not arrived")
+        _check_held(sent, self.worker)
         return torch.from_numpy(np.asarray(sent.mean.result()[0]))
 
     def arrived(self, sent: Round) -> rules.Arrived:
@@ -309,12 +356,14 @@ class InFlight:
     # -- housekeeping --------------------------------------------------------------
     def forget(self, p: int) -> None:
         """Drop rounds of ``p`` that are fully applied and no longer referenced."""
-        done = [s.round for s in self.of(p)
-                if s.own_applied and s.correction_applied and s.uploaded.done()]
-        # keep the newest one: the pure rule and error feedback look one round back
-        for k in done[:-1]:
-            del self._rounds[(p, k)]
-            self._agreed.pop((p, k), None)
+        done = [s for s in self.of(p) if s.settled]
+        # keep the newest one (error feedback waits for its encode, overlap auto reads
+        # its agreed tau, a checkpoint records it), without its values
+        for s in done[:-1]:
+            del self._rounds[(p, s.round)]
+            self._agreed.pop((p, s.round), None)
+        if done:
+            done[-1].release()
 
     def drain(self) -> None:
         """Wait until every round sent so far is committed to the store."""

@@ -298,7 +298,8 @@ class Synchronizer:
             raise RuntimeError(f"fragment {p}: round {r} is past the run's {self.rounds[p]} rounds")
         self._next_round[p] = r + 1
         live = self.plan.gather(self.model, p, on_device=self.on_device)
-        delta = to_host(rules.outer_gradient(self.outer[p].params, live))  # the codecs' side
+        # written over the gathered copy: one fragment-sized array per send, not two
+        delta = to_host(rules.outer_gradient(self.outer[p].params, live, out=live))
         tokens = self._tokens - self._tokens_at_send[p]
         self._tokens_at_send[p] = self._tokens
         self.inflight.send(p, r, delta, tokens=tokens, final=final, step=self.stats.steps,
@@ -324,7 +325,7 @@ class Synchronizer:
             grad = to_device(grad, self.device)
         alpha = 0.0 if final else self.alpha
         live = None if alpha == 0.0 else self.plan.gather(self.model, p, on_device=self.on_device)
-        self.plan.scatter(self.model, p, rules.merge(self.outer[p], grad, alpha, live))
+        self.plan.scatter(self.model, p, rules.merge(self.outer[p], grad, alpha, live, out=live))
         self.stats.rounds_merged += 1
         self.inflight.forget(p)
 

@@ -39,31 +39,38 @@ class Arrived(NamedTuple):
 
 
 # -- sending (sections 1 and 5) --------------------------------------------------------
-def outer_gradient(theta_out: torch.Tensor, theta_m: torch.Tensor) -> torch.Tensor:
-    """``delta_m = theta_out - theta_m``, "old minus new" (section 1)."""
-    return theta_out - theta_m
+def outer_gradient(theta_out: torch.Tensor, theta_m: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``delta_m = theta_out - theta_m``, "old minus new" (section 1). ``out``: where
+    to write it (may be ``theta_m``, a scratch copy: no second fragment-sized array)."""
+    return torch.sub(theta_out, theta_m, out=out)
 
 
 def with_residual(delta: torch.Tensor, residual: torch.Tensor | None,
-                  beta: float = 1.0) -> torch.Tensor:
+                  beta: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
     """Error feedback: what the codec lost last round rides on this round's delta,
     decayed by ``beta`` first (SparseLoCo's accumulator ``e = beta * e + delta``;
-    ``float32(beta) * e``, then the sum; beta 1 is plain error feedback, bit for bit)."""
+    ``float32(beta) * e``, then the sum; beta 1 is plain error feedback, bit for bit).
+    ``out``: where to write the sum (may be ``residual`` itself, which it consumes:
+    a worker then allocates nothing per round); ignored without a residual."""
     if residual is None:
         return delta
-    if beta == 1.0:
-        return delta + residual
-    return delta + residual * torch.tensor(beta, dtype=torch.float32)
+    if beta != 1.0:
+        residual = torch.mul(residual, torch.tensor(beta, dtype=torch.float32), out=out)
+    return torch.add(delta, residual, out=out)
 
 
-def residual_of(sent: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
-    """``x - decode(encode(x))``: the part of ``sent`` the codec did not carry."""
-    return sent - decoded
+def residual_of(sent: torch.Tensor, decoded: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x - decode(encode(x))``: the part of ``sent`` the codec did not carry
+    (``out``: where to write it, which may be ``sent``)."""
+    return torch.sub(sent, decoded, out=out)
 
 
 # -- merging (section 3) ---------------------------------------------------------------
 def merge(
-    outer: OuterState, grad: torch.Tensor | None, alpha: float, theta_m: torch.Tensor | None = None
+    outer: OuterState, grad: torch.Tensor | None, alpha: float, theta_m: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One outer step on ``grad``, then the fragment's new live value
     ``torch.lerp(theta_new, theta_m, alpha)`` (the pinned form).
@@ -73,13 +80,14 @@ def merge(
     and ``theta_m`` may be omitted. ``grad = None`` (a round in which every
     contribution was rejected) is no step: the live value merges into the outer
     parameters as they are. ``outer`` is stepped in place; the result with
-    ``alpha = 0`` is its own tensor, to be copied, not modified."""
+    ``alpha = 0`` is its own tensor, to be copied, not modified. ``out``: where the
+    lerp writes (may be ``theta_m``, a gathered copy: the same bits, one array less)."""
     theta_new = outer.params if grad is None else outer.step(grad)
     if alpha == 0.0:
         return theta_new
     if theta_m is None:
         raise ValueError(f"merge with alpha = {alpha} needs the live fragment theta_m")
-    return torch.lerp(theta_new, theta_m, alpha)
+    return torch.lerp(theta_new, theta_m, alpha, out=out)
 
 
 def correct(outer: OuterState, correction: torch.Tensor) -> torch.Tensor:

@@ -180,3 +180,29 @@ def test_outstanding_sums_the_owed_parts_in_round_order():
     # [0.25, 0.5] + [-0.25, 0] = [0, 0.5]
     exact(rules.outstanding(earlier), [0.0, 0.5])
     exact(rules.outstanding(earlier[:1]), [0.25, 0.5])
+
+
+def test_the_worker_side_arithmetic_written_in_place_has_the_same_bits():
+    """``out=`` (a worker's scratch: the gathered fragment, the old residual) gives the
+    bits of the fresh-array forms and writes no new array."""
+    g = torch.Generator().manual_seed(5)
+    outer_p, live, residual, decoded, grad = (torch.randn(4096, generator=g) for _ in range(5))
+
+    scratch = live.clone()
+    got = rules.outer_gradient(outer_p, scratch, out=scratch)
+    assert got.data_ptr() == scratch.data_ptr() and torch.equal(got, outer_p - live)
+
+    for beta in (1.0, 0.95):
+        want = rules.with_residual(live, residual, beta)
+        old = residual.clone()
+        got = rules.with_residual(live, old, beta, out=old)
+        assert got.data_ptr() == old.data_ptr() and torch.equal(got, want)
+        assert torch.equal(rules.residual_of(got, decoded, out=got), want - decoded)
+    kept = live.clone()
+    assert rules.with_residual(kept, None, out=None) is kept
+
+    a, b = OuterState(outer_p, 0.7, 0.9), OuterState(outer_p, 0.7, 0.9)
+    scratch = live.clone()
+    got = rules.merge(a, grad, 0.5, scratch, out=scratch)
+    assert got.data_ptr() == scratch.data_ptr()
+    assert torch.equal(got, rules.merge(b, grad, 0.5, live))

@@ -346,3 +346,32 @@ def test_a_blocking_merge_waits_as_long_as_its_mean_is_late():
         assert stats.wait_seconds == pytest.approx(sum(stats.waits))
     finally:
         sync.close()
+
+
+def test_a_worker_holds_no_values_of_settled_rounds():
+    """Memory: once a round's own part and mean are applied, the worker keeps its
+    commits (tau agreement, drain, checkpoint) but not its decoded contribution, its
+    payload or its mean (they were twice the model's float32 size); the error-feedback
+    residual is rewritten in place round after round, not reallocated."""
+    cfg = SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1, alpha=0.5,
+                     codec_up="int4", codec_down="int8", block_size=32)
+    settled, buffers = [], {}
+
+    def inspect(worker, step, sync):
+        for p in range(2):
+            for s in sync.inflight.of(p):
+                if not s.settled:
+                    assert not s.released
+                    continue
+                settled.append((worker, p, s.round))
+                assert s.released and s.uploaded.result().decoded.size == 0
+                assert s.encoded.result().decoded.size == 0 and s.mean.result()[0].size == 0
+                assert s.uploaded.result().commit["round"] == s.round  # the commit stays
+                with pytest.raises(RuntimeError, match="released"):
+                    sync.inflight.own(s)
+            if sync.residual[p] is not None:
+                buffers.setdefault((worker, p), set()).add(sync.residual[p].data_ptr())
+
+    train_replicas(url(), Blocks, data, cfg, total_steps=14, on_step=inspect, inner_lr=0.05)
+    assert {(w, p) for w, p, _ in settled} == {(w, p) for w in ("w0", "w1") for p in (0, 1)}
+    assert all(len(ptrs) == 1 for ptrs in buffers.values()), buffers
