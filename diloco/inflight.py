@@ -382,11 +382,12 @@ class InFlight:
             pool.shutdown(wait=True, cancel_futures=True)
 
     # -- checkpoint and resume -----------------------------------------------------
-    def state_dict(self) -> dict:
-        """The residuals and the rounds held, once committed (:meth:`drain` first):
-        their own values are read back from the store on resume, not kept here."""
+    def state_dict(self, copy: bool = True) -> dict:
+        """The residuals (``copy=False``: themselves) and the rounds held, once
+        committed (:meth:`drain` first): their own values are read back from the
+        store on resume, not kept here."""
         return {
-            "residual": [None if r is None else r.clone() for r in self.residual],
+            "residual": [r if r is None or not copy else r.clone() for r in self.residual],
             "sent": [
                 {"fragment": s.fragment, "round": s.round, "own_weight": s.own_weight,
                  "own_applied": s.own_applied, "correction_applied": s.correction_applied}

@@ -378,22 +378,26 @@ class Synchronizer:
                               rules.correct(self.outer[p], to_device(correction, self.device)))
 
     # -- checkpoint and resume -------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self, copy: bool = True) -> dict:
         """The synchroniser's state at a step boundary, for a worker checkpoint.
 
         Waits until every round sent so far is committed, so that a resumed worker
         can read its own contributions back from the store instead of keeping them
         in the checkpoint. Rounds in flight are recorded and their means awaited
-        again after the resume.
+        again after the resume. ``copy=False``: the outer state and residuals
+        themselves, not copies (3x the model's float32 size at a worker's
+        checkpoint), for a caller that writes them out before the next step.
         """
         self.inflight.drain()
+        outer = [o.state_dict() if copy else
+                 {"params": o.params, "momentum": o.momentum_buffer} for o in self.outer]
         return {
             "steps": self.stats.steps,
             "tokens": self._tokens,
             "tokens_at_send": list(self._tokens_at_send),
             "next_round": list(self._next_round),
-            "outer": [o.state_dict() for o in self.outer],
-            **self.inflight.state_dict(),  # "residual" and "sent"
+            "outer": outer,
+            **self.inflight.state_dict(copy),  # "residual" and "sent"
             **self.stats.state_dict(),
             "overlap_auto": self.auto.state_dict() if self.auto else None,
         }

@@ -375,3 +375,21 @@ def test_a_worker_holds_no_values_of_settled_rounds():
     train_replicas(url(), Blocks, data, cfg, total_steps=14, on_step=inspect, inner_lr=0.05)
     assert {(w, p) for w, p, _ in settled} == {(w, p) for w in ("w0", "w1") for p in (0, 1)}
     assert all(len(ptrs) == 1 for ptrs in buffers.values()), buffers
+
+
+def test_a_checkpoint_can_take_the_state_without_copies():
+    """``state_dict(copy=False)`` (what a worker writes at once) holds the outer state
+    and residuals themselves, with the values of the copying form."""
+    cfg = SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1, alpha=0.5,
+                     codec_up="int4", codec_down="int8", block_size=32)
+    sync = train_replicas(url(), Blocks, data, cfg, total_steps=14,
+                          inner_lr=0.05).traces["w0"].sync
+    copied, held = sync.state_dict(), sync.state_dict(copy=False)
+    for p in range(2):
+        assert held["outer"][p]["params"] is sync.outer_params(p)
+        assert held["outer"][p]["momentum"] is sync.outer_momentum(p)
+        assert held["residual"][p] is sync.residual[p]
+        assert copied["residual"][p] is not sync.residual[p]
+        assert torch.equal(copied["residual"][p], held["residual"][p])
+        for k in ("params", "momentum"):
+            assert torch.equal(copied["outer"][p][k], held["outer"][p][k])

@@ -344,7 +344,8 @@ class WorkerLoop:
             "tokens": self.tokens,
             "from_step": self.from_step,
             "warm_from": self.warm_from,
-            "sync": self.sync.state_dict() if self.sync is not None else None,
+            # not copied: nothing changes them until the checkpoint is written below
+            "sync": self.sync.state_dict(copy=False) if self.sync is not None else None,
         }
         # a checkpoint write is safe to repeat (create-only commit): an outage of the
         # store is ridden out for up to sync.outage_s rather than killing the worker
