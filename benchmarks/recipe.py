@@ -63,6 +63,9 @@ MODES: dict[str, list[str]] = {
     # tau sized per merge point to the measured exchange latency (diloco/overlap.py)
     "streaming-auto": ["sync.mode=streaming", "sync.fragments=2", "sync.overlap=auto",
                        "sync.alpha=0.5"],
+    # the same, its first two merge points at tau 1 (they wait one round trip each)
+    "streaming-auto-1": ["sync.mode=streaming", "sync.fragments=2", "sync.overlap=auto",
+                         "sync.overlap_start=1", "sync.alpha=0.5"],
     "eager": ["sync.mode=eager", "sync.eager_rule=adaptive", "sync.fragments=2",
               "sync.overlap=1", "sync.alpha=0.5"],
     "pure-eager": ["sync.mode=eager", "sync.eager_rule=pure", "sync.fragments=2",
@@ -77,6 +80,7 @@ MODE_LABELS = {
     "diloco": "DiLoCo (blocking)",
     "streaming": "streaming (tau=1, alpha=0.5)",
     "streaming-auto": "streaming (overlap auto, alpha=0.5)",
+    "streaming-auto-1": "streaming (overlap auto from tau 1, alpha=0.5)",
     "eager-tau12": "adaptive eager (tau=12, alpha=0.3)",
     "eager": "adaptive eager (tau=1, alpha=0.5)",
     "pure-eager": "pure eager (paper's rule)",
