@@ -280,9 +280,27 @@ def tokens_per_step() -> int:
     return cfg.data.batch_size * cfg.data.seq_len * cfg.optim.grad_accum
 
 
+#: ``--long``: the long horizon, at least 100 rounds per fragment (3,000 steps at H = 30,
+#: P = 2), for data-parallel, streaming at tau 1 and the two modes that hide the
+#: exchange, at M = 2 (about an hour on 2 cores); an explicit option still wins
+LONG = {"steps": 3000, "sync_every": 30, "workers": "2",
+        "modes": "streaming,streaming-auto,eager-tau12", "codecs": "int4",
+        "sweep": "none", "outer": "1.0,0", "out": "quality-long"}
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The options, with ``--long``'s settings as the defaults when it is given."""
+    p = parser()
+    if p.parse_known_args(argv)[0].long:
+        p.set_defaults(**LONG)
+    return p.parse_args(argv)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmarks.bench_quality",
                                 description=__doc__.splitlines()[0])
+    p.add_argument("--long", action="store_true",
+                   help="the long horizon: " + " ".join(f"{k}={v}" for k, v in LONG.items()))
     p.add_argument("--steps", type=int, default=600, help="inner steps per worker")
     p.add_argument("--sync-every", type=int, default=50, help="H for every DiLoCo mode")
     p.add_argument("--workers", default="2,4", help="values of M (the first is swept)")
@@ -303,7 +321,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parser().parse_args(argv)
+    args = parse(argv)
     if (saved := rerendered(args, markdown)) is not None:
         return saved
     env = environment(argv, "benchmarks.bench_quality")

@@ -280,6 +280,19 @@ def test_quality_two_step_smoke(tmp_path, monkeypatch):
     assert "| DiLoCo (blocking) |" in (tmp_path / "smoke.md").read_text()
 
 
+def test_quality_long_sets_the_long_horizon_and_an_explicit_option_wins():
+    """``--long`` is the long-horizon run (>= 100 rounds per fragment at M = 2 for
+    streaming and the two exchange-hiding modes); an option given with it still wins."""
+    args = bench_quality.parse(["--long"])
+    assert (args.steps, args.sync_every, args.workers, args.out) == (3000, 30, "2",
+                                                                     "quality-long")
+    assert set(args.modes.split(",")) == {"streaming", "streaming-auto", "eager-tau12"}
+    assert args.steps // args.sync_every >= 100
+    args = bench_quality.parse(["--long", "--steps", "6000", "--out", "x"])
+    assert (args.steps, args.sync_every, args.out) == (6000, 30, "x")
+    assert bench_quality.parse([]).steps == 600
+
+
 def test_bandwidth_target():
     """100x: data-parallel's lowest passing cap (or, when none passes, the estimate)
     over adaptive eager's."""
