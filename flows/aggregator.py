@@ -54,6 +54,7 @@ from storage import layout
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
 from tracking.hooks import Hooks
+from workers.memory import fixed_mmap_threshold
 from workers.report import TRAFFIC_KEYS, party_meter
 from workers.status import StatusBoard, read_all, read_status
 
@@ -455,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("aggregator: the launcher died while this job started; exiting")
         return EXIT_CODES["interrupted"]
     options = json.loads(os.environ.get("DILOCO_STORAGE_OPTIONS") or "null")
+    fixed_mmap_threshold()  # freed fragment-sized arrays go back to the system
     try:
         if args.shard:
             out = run_shard_job(args.run, options, shard=args.shard,

@@ -19,7 +19,6 @@ fragment after it merges.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import os
@@ -44,6 +43,7 @@ from workers.data.streams import WorkerStream, open_dataset, val_batches
 from workers.island import ShardedIsland
 from workers.island import make as make_island
 from workers.losslog import LossLog
+from workers.memory import fixed_mmap_threshold
 from workers.model import Transformer, build_model, describe
 from workers.status import StatusBoard
 
@@ -118,32 +118,6 @@ def lr_at(step: int, cfg: RunConfig, warm_from: int | None = None) -> float:
     progress = min(1.0, (step - o.warmup_steps) / span)
     floor = o.lr * o.min_lr_ratio
     return floor + (o.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-#: glibc's M_MMAP_THRESHOLD, and the value a worker sets (`fixed_mmap_threshold`)
-_M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 8 << 20
-
-
-def fixed_mmap_threshold(size: int = MMAP_THRESHOLD) -> bool:
-    """Give every allocation of ``size`` bytes or more pages of its own, returned to
-    the system when it is freed (glibc; elsewhere nothing happens, and False).
-
-    glibc raises its threshold to the size of any large block freed (up to 32 MiB),
-    after which fragment-sized arrays (a send's delta and decoded value, a mean,
-    allocated by the encoder and poller threads in arenas of their own) come from
-    heaps that keep their pages once freed: a ``small`` worker's peak RSS held ~200
-    MiB (2.5x the model) of freed memory. A fixed threshold keeps the small tensors of
-    a training step on the heap (reused step after step, no page faults) and sends
-    the fragment-sized ones to the system. A ``MALLOC_MMAP_THRESHOLD_`` in the
-    environment is the user's choice and wins."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, size))
 
 
 def pick_device(cfg: RunConfig) -> torch.device:
