@@ -27,6 +27,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from cli.console import runnable
+from cli.shard_status import shard_statuses, silent_for
 from storage.exchange import Exchange
 from workers.gc import Usage
 from workers.report import (
@@ -40,35 +41,6 @@ from workers.report import (
 
 _STATE_STYLE = {"finished": "green", "running": "cyan", "cancelled": "yellow",
                 "interrupted": "yellow", "failed": "red", "silent": "red"}
-
-#: A shard whose status says running but is older than this many of its heartbeats
-#: (it writes one after a poll every ``heartbeat_s``) is shown as silent: its job died.
-SILENT_HEARTBEATS = 3
-
-
-def shard_statuses(exchange: Exchange) -> dict[str, dict[str, Any]]:
-    """Shards 1..K-1 of a sharded aggregator (shard 0 is the aggregator), named as
-    their jobs are (``aggregator-sS``): each one's status, {} before it started."""
-    from flows.control import shard_board  # noqa: PLC0415
-    from workers.status import read_status  # noqa: PLC0415
-
-    return {f"aggregator-s{s}": read_status(exchange.store, shard_board(s)) or {}
-            for s in range(1, exchange.shards)}
-
-
-def silent_for(status: dict[str, Any]) -> float | None:
-    """Seconds since a running shard's last poll, when that is more than
-    `SILENT_HEARTBEATS` heartbeats (a dead job); else None."""
-    from datetime import UTC, datetime  # noqa: PLC0415
-
-    if status.get("state") != "running" or not status.get("updated"):
-        return None
-    try:
-        age = (datetime.now(UTC) - datetime.fromisoformat(status["updated"])).total_seconds()
-    except ValueError:
-        return None
-    return age if age > SILENT_HEARTBEATS * float(status.get("heartbeat_s") or 5.0) else None
-
 
 def _loss(value: Any) -> str:
     return "-" if value is None else f"{value:.3f}"

@@ -102,7 +102,7 @@ class CanonicalEval:
         """The eval loss of the model made of these fragments (flat float32 each)."""
         import torch  # noqa: PLC0415
 
-        from workers.train import evaluate  # noqa: PLC0415
+        from workers.inner import evaluate  # noqa: PLC0415
 
         for p, flat in enumerate(fragments):
             self.plan.scatter(self.model, p, torch.as_tensor(flat))

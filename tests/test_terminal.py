@@ -125,7 +125,7 @@ def fake_exchange(workers=NAMES, total_steps=200_000, rounds=(1000, 1000)) -> Si
     manifest = SimpleNamespace(run_id="gpu-1b-20261124-234500", created="2026-11-24T23:45:00",
                                workers=list(workers), total_steps=total_steps,
                                rounds=list(rounds))
-    return SimpleNamespace(manifest=manifest, store=None)
+    return SimpleNamespace(manifest=manifest, store=None, shards=1)
 
 
 @pytest.mark.parametrize("width", [80, 100, 120, 200])
