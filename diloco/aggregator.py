@@ -212,11 +212,13 @@ class Aggregator:
                     f"aggregator {self.name}: rounds still open after {timeout:.0f} s: "
                     f"next rounds {self.next_round} of {self.manifest.rounds}"
                 )
-            waiting = [(p, r) for p, r in enumerate(self.next_round)
-                       if r < self.manifest.rounds[p]]
-            stop.wait(self.pacer.delay(time.monotonic(), waiting, delay, base))
+            stop.wait(self.pacer.delay(time.monotonic(), self.open_rounds(), delay, base))
             delay = min(delay * 1.5, self.config.poll_max_s)
         return self.stats
+
+    def open_rounds(self) -> list[tuple[int, int]]:
+        """(fragment, round) of each fragment's next round not applied yet."""
+        return [(p, r) for p, r in enumerate(self.next_round) if r < self.manifest.rounds[p]]
 
     def poll_once(self) -> bool:
         """Try to complete the next round of every fragment; True if any progressed."""
@@ -245,7 +247,7 @@ class Aggregator:
         self.stalled = [
             Stall(p, r, sorted(self.gate.expected(p, r) - self.gate.inbox(p, r).arrived),
                   self._progress_wall, waited)
-            for p, r in enumerate(self.next_round) if r < self.manifest.rounds[p]
+            for p, r in self.open_rounds()
         ]
         log.warning("aggregator %s: stalled: no round applied for %.0f s; %s", self.name,
                     waited, "; ".join(s.describe() for s in self.stalled))
