@@ -231,4 +231,9 @@ def _log_metrics(worker: str):
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())
+    status = main()
+    from workers.group_exit import exit_after_group, in_group  # noqa: PLC0415
+
+    if in_group():  # a rank of a group: no interpreter teardown (workers/group_exit.py)
+        exit_after_group(status)
+    sys.exit(status)
