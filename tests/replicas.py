@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +69,10 @@ class Result:
     aggregator: Aggregator
 
 
+# once the run is stopped (it failed), a merge waits at most this long for its mean
+STOP_PATIENCE_S = 5.0
+
+
 def train_replicas(
     url: str,
     make_model: Callable[[], nn.Module],
@@ -114,7 +119,8 @@ def train_replicas(
         ex = open_exchange(ObjectStore(url, storage_options=storage_options, name=worker))
         if wrap_exchange is not None:
             ex = wrap_exchange(worker, ex)
-        sync = Synchronizer(model, ex, worker, plan_for(model, config))
+        sync = Synchronizer(model, ex, worker, plan_for(model, config), stop=stop,
+                            stop_patience_s=STOP_PATIENCE_S)
         trace = traces[worker]
         trace.sync, trace.model = sync, model
         opt = torch.optim.SGD(model.parameters(), lr=inner_lr)
@@ -144,7 +150,8 @@ def train_replicas(
                     if wrap_exchange is not None:
                         ex = wrap_exchange(worker, ex)
                     sync = Synchronizer(model, ex, worker, plan_for(model, config),
-                                        initialise=False)
+                                        initialise=False, stop=stop,
+                                        stop_patience_s=STOP_PATIENCE_S)
                     sync.load_state_dict(state)
                     model.load_state_dict(live)
                     trace.sync = sync
@@ -155,10 +162,16 @@ def train_replicas(
     with ThreadPoolExecutor(len(workers) + 1) as pool:
         agg = pool.submit(aggregate, stop)
         futures = [pool.submit(work, w) for w in workers]
+        deadline = time.monotonic() + timeout
         try:
+            # an aggregator that dies fails the run now: its workers would wait for
+            # means that never come (the stop set below makes them give up)
+            wait([agg, *futures], timeout=timeout, return_when=FIRST_EXCEPTION)
+            if agg.done() and agg.exception() is not None:
+                raise RuntimeError("the aggregator thread failed") from agg.exception()
             for f in futures:
-                f.result(timeout=timeout)
-            aggregator = agg.result(timeout=timeout)
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            aggregator = agg.result(timeout=max(0.0, deadline - time.monotonic()))
         finally:
             stop.set()
     return Result(traces, aggregator)
