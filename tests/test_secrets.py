@@ -134,12 +134,12 @@ def test_a_credential_on_the_command_line_is_refused(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("url", [
+@pytest.mark.parametrize("url", [  # ids fixed: the markers are random per process
     f"s3://{KEY_ID}:{SECRET}@bucket/runs/r1",
     f"s3://{KEY_ID}:{SECRET[:8]}/{SECRET[8:]}@bucket/runs/r1",  # a secret with a '/'
     f"s3://bucket/runs/r1?token={SECRET}",
     f"s3://bucket/runs/r1?password={SECRET}",
-])
+], ids=["userinfo", "userinfo-with-slash", "token", "password"])
 def test_object_store_and_jobs_refuse_a_url_with_credentials(url, monkeypatch):
     from flows.aggregator import run_aggregator_job
     from flows.worker import run_worker_job
