@@ -12,9 +12,11 @@ run: setup
 local-s3: setup
 	.venv/bin/diloco run --store local-s3
 
+# Two pytest workers, each taking whole test files (a file's servers start once): the
+# suite is CPU-bound, so more workers than cores only slows every test down.
 test: setup
 	.venv/bin/ruff check .
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 
 bench: setup
 	.venv/bin/python -m benchmarks.bench_codecs
