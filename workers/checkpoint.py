@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint import Metadata
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from storage import layout
 from storage.checkpoints import committed_keys, read_checkpoint, write_checkpoint
 from storage.objectstore import ObjectStore
+
+if TYPE_CHECKING:  # DCP is imported where used: only sharded islands need it
+    from torch.distributed.checkpoint import Metadata
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,8 @@ def shards_writer(store: ObjectStore, key: str) -> FsspecWriter:
     credentials and endpoint): one file per rank plus rank 0's ``.metadata``. Files
     on a local disk are fsynced; an object store's upload is durable once it returns
     (and DCP, finding no file descriptor there, would ``os.sync()`` the whole host)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # noqa: PLC0415
+
     protocols = store.fs.protocol if isinstance(store.fs.protocol, tuple) else (store.fs.protocol,)
     writer = FsspecWriter(store.fs_path(key), single_file_per_rank=True, overwrite=False,
                           sync_files="file" in protocols)
@@ -120,6 +122,8 @@ def shards_writer(store: ObjectStore, key: str) -> FsspecWriter:
 
 def shards_reader(store: ObjectStore, key: str) -> FsspecReader:
     """A DCP reader of the sharded checkpoint at ``key`` of ``store``."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: PLC0415
+
     reader = FsspecReader(store.fs_path(key))
     reader.fs.fs, reader.path = store.fs, store.fs_path(key)
     return reader
@@ -130,6 +134,11 @@ def read_shards(store: ObjectStore, ref: dict) -> dict[str, Any]:
     one process (no process group): ``{"model": ..., "optimizer": ...}`` keyed by
     parameter name, as a replicated island's checkpoint holds them; for tools and
     tests (a resume reads only each rank's part: `workers.island.Island.load_shards`)."""
+    from torch.distributed.checkpoint.format_utils import (  # noqa: PLC0415
+        _EmptyStateDictLoadPlanner,
+    )
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # noqa: PLC0415
+
     state: dict[str, Any] = {}  # filled as torch's dcp_to_torch_save fills it
     _load_state_dict(state, storage_reader=shards_reader(store, ref["key"]),
                      planner=_EmptyStateDictLoadPlanner(), no_dist=True)

@@ -34,19 +34,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from diloco.fragments import FragmentPlan, find_blocks
 from diloco.inflight import MergeAbandoned
@@ -55,6 +47,10 @@ from diloco.schedule import Schedule
 from storage.objectstore import ObjectStore
 from storage.retry import is_transient
 from workers import checkpoint
+
+if TYPE_CHECKING:  # FSDP, DTensor and DCP are imported where used: a replicated
+    # island, the usual worker, never needs them, and they cost 47 MiB per process
+    from torch.distributed.checkpoint import CheckpointException
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +184,9 @@ class Island:
         entry. When it returns on rank 0 every rank's files and the ``.metadata`` are
         written (DCP gathers the ranks' results before writing the metadata), so the
         commit may follow; if a rank fails, every rank raises."""
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415
+
         model_sd, opt_sd = get_state_dict(self.model, opt)
         meta = dcp.save({"model": model_sd, "optimizer": opt_sd},
                         storage_writer=checkpoint.shards_writer(store, key))
@@ -202,6 +201,8 @@ class Island:
         rank (a store outage) again into a fresh one, for up to ``patience_s`` as the
         whole-state checkpoint write rides one out. Rank 0 decides and tells the
         others, so every rank tries again or every rank raises."""
+        from torch.distributed.checkpoint import CheckpointException  # noqa: PLC0415
+
         failed: CheckpointException | None = None
         first = 0.0
         while True:
@@ -234,6 +235,12 @@ class Island:
         if ref.get("format") != SHARDS_FORMAT:
             raise ValueError(f"checkpoint shards: format {ref.get('format')!r} is not "
                              f"{SHARDS_FORMAT!r}")
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+            get_state_dict,
+            set_state_dict,
+        )
+
         model_sd, opt_sd = get_state_dict(self.model, opt)  # the targets, as held here
         state = {"model": model_sd, "optimizer": opt_sd}
         dcp.load(state, storage_reader=checkpoint.shards_reader(store, ref["key"]))
@@ -250,6 +257,8 @@ class ShardedIsland(Island):
         ``initial``: the run's initial fragments, loaded into it before sharding (so
         every rank starts from the run's parameters, as replicated islands do);
         ``auto``: the run's ``overlap: auto`` (tau known to rank 0 only)."""
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
         for p, flat in enumerate(initial):
             plan.scatter(model, p, flat)
         super().__init__(model, plan, rank, dist.get_world_size(), auto)
@@ -273,6 +282,8 @@ class ShardedIsland(Island):
     @torch.no_grad()
     def scatter(self, fragments: Iterable[int]) -> None:
         """Every rank: take its shard of rank 0's mirror values of these fragments."""
+        from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: PLC0415
+
         for name in self._names(fragments):
             param = self._named[name]
             assert isinstance(param, DTensor)
@@ -300,12 +311,22 @@ class ShardedIsland(Island):
         """Every rank (a collective): the model's and the inner optimizer's whole state,
         on rank 0's CPU (other ranks get empty dicts), keyed by parameter name (what
         checkpoints held before they were sharded; tests compare with it)."""
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+            StateDictOptions,
+            get_state_dict,
+        )
+
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_state_dict(self.model, opt, options=opts)
 
     def load_state(self, opt: torch.optim.Optimizer, model_sd: dict, opt_sd: dict) -> None:
         """Every rank: restore the sharded model and optimizer from whole state dicts
         (each rank keeps its shards): a checkpoint from before they were sharded."""
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+            StateDictOptions,
+            set_state_dict,
+        )
+
         set_state_dict(self.model, opt, model_state_dict=model_sd, optim_state_dict=opt_sd,
                        options=StateDictOptions(full_state_dict=True))
 
