@@ -27,7 +27,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from cli.console import runnable
-from cli.shard_status import shard_statuses, silent_for
+from flows.shard_status import shard_statuses, silent_for
 from storage.exchange import Exchange
 from workers.gc import Usage
 from workers.report import (

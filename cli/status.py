@@ -11,10 +11,10 @@ import typer
 from cli.console import console, errors, fail, quiet_logs, shown
 from cli.members import members, print_members
 from cli.progress import print_status
-from cli.shard_status import shard_statuses, silent_for
 from cli.train import open_named_run
 from flows import cancel as cancelling
 from flows.control import cancel_request, read_launcher, request_cancel
+from flows.shard_status import shard_statuses, silent_for
 from workers.gc import usage
 from workers.report import run_cost, snapshot
 

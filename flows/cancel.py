@@ -8,8 +8,8 @@ lines, or Prefect flow-run ids). In order:
 1. `flows.control.request_cancel`: every job checkpoints at its next step and exits;
 2. `cancel_deployment_jobs`: jobs launched as Prefect deployments are set to
    Cancelling (Prefect does not cancel ``run_deployment`` children by itself);
-3. `wait_until_stopped`: until no recorded job is alive and no party reports
-   ``running``;
+3. `wait_until_stopped`: until no recorded job is alive and no party (workers,
+   the aggregator and its other shards) reports ``running``;
 4. `kill_local_jobs`: whatever local job is still alive after the timeout is killed
    with its process group, exactly as `LocalLauncher.stop` kills a job that ignores
    SIGTERM.
@@ -28,6 +28,7 @@ from typing import Any
 import psutil
 
 from flows.launchers import cancel_flow_runs, kill_job
+from flows.shard_status import shard_statuses, silent_for
 from storage.exchange import Exchange
 from workers.report import snapshot
 
@@ -74,6 +75,9 @@ def still_running(exchange: Exchange, record: dict[str, Any]) -> bool:
         return False  # their processes are gone, whatever the status says
     snap = snapshot(exchange)
     parties = [*snap["workers"].values(), snap["aggregator"]]
+    # a sharded aggregator's other shards too; one silent for several heartbeats
+    # has died without saying so, and waiting for it would only run out the timeout
+    parties += [st for st in shard_statuses(exchange).values() if silent_for(st) is None]
     return any(p.get("state") == "running" for p in parties)
 
 
@@ -102,10 +106,14 @@ def kill_local_jobs(record: dict[str, Any],
 
 
 def party_states(exchange: Exchange) -> dict[str, str]:
-    """Each worker's and the aggregator's state, as the status board has it."""
+    """Each worker's, the aggregator's and its other shards' state, as their status
+    boards have it (a shard that went silent while running is shown as silent)."""
     snap = snapshot(exchange)
     states = {w: s.get("state", "not started") for w, s in snap["workers"].items()}
     states["aggregator"] = snap["aggregator"].get("state", "not started")
+    for name, st in shard_statuses(exchange).items():
+        states[name] = "silent" if silent_for(st) is not None else st.get("state",
+                                                                           "not started")
     return states
 
 

@@ -18,9 +18,9 @@ from cli_runs import clean_env
 from test_distributed import MICRO, ROOT, data_url
 from test_shard_eval import contribute
 
-from cli.shard_status import SILENT_HEARTBEATS
 from flows.aggregator import run_aggregator_job
 from flows.control import shard_board
+from flows.shard_status import SILENT_HEARTBEATS
 from storage.objectstore import ObjectStore
 from tracking.hooks import Hooks
 from workers.config import load_config

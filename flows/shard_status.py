@@ -1,4 +1,4 @@
-"""What ``diloco status`` knows of a sharded aggregator's shards 1..K-1.
+"""What ``diloco status`` and ``diloco cancel`` know of a sharded aggregator's shards 1..K-1.
 
 Each shard job writes its own status board (rounds, state, stall, error, the time of
 its last poll); a shard that says it is running but has not polled for a few
