@@ -8,7 +8,8 @@ contributions per round committed up front (seeded Gaussians, encoded with
 ``--codec`` both ways, cut into a multiple of K chunks as the workers of a K-shard
 run cut them). Then the aggregator runs as K processes (`diloco.shards`, or the
 one-process `diloco.aggregator.Aggregator` at K = 1), each timed from the start of
-its ``run`` to its end (loading the initial parameters is before, not timed), in
+its ``run`` to its end (loading the initial parameters is before, not timed, and
+the K clocks start together once every shard has loaded), in
 wall and in CPU seconds (the machine may be shared: CPU seconds of the busiest shard
 are what K idle cores would take), and it
 reads and verifies its chunks of every contribution, decides (shard 0, from the
@@ -27,6 +28,7 @@ import json
 import multiprocessing as mp
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -66,10 +68,14 @@ def make_run(root: str, shards: int, n: int, workers: int, codec: str, rounds: i
     return total
 
 
-def _shard(root: str, shard: int, shards: int, poll_s: float, out: mp.Queue) -> None:
+def _shard(root: str, shard: int, shards: int, poll_s: float, out: mp.Queue,
+           ready: threading.Barrier) -> None:
     torch.set_num_threads(1)
     ex = open_exchange(ObjectStore(root))
     agg = (Aggregator(ex) if shards == 1 else ShardAggregator(ex, shard=shard))
+    # every shard starts its clock together: one that is ready first would otherwise
+    # time the others' interpreter start and loading as its wait for their checks
+    ready.wait(timeout=600)
     start, cpu = time.perf_counter(), time.process_time()
     agg.run(timeout=600.0, poll_interval=poll_s)
     out.put((shard, (time.perf_counter() - start, time.process_time() - cpu)))
@@ -86,8 +92,8 @@ def reduce_throughput(shards: int, *, log2n: int = 24, workers: int = 4, codec: 
     try:
         encoded = make_run(str(where), shards, 1 << log2n, workers, codec, rounds)
         ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        procs = [ctx.Process(target=_shard, args=(str(where), s, shards, poll_s, out))
+        out, ready = ctx.Queue(), ctx.Barrier(shards)
+        procs = [ctx.Process(target=_shard, args=(str(where), s, shards, poll_s, out, ready))
                  for s in range(shards)]
         for p in procs:
             p.start()
