@@ -343,6 +343,13 @@ def canonical_line(report: dict[str, Any], initial: float | None = None) -> str:
             f"participation {part}, {g['rejected']} rejected")
 
 
+def shards_line(shards: dict[str, dict[str, Any]]) -> list[str]:
+    """A sharded aggregator's other shards at the end: the parts of one line."""
+    return ["aggregator shards:", *(
+        f"{n} {'silent' if s.get('silent_s') else s.get('state')} "
+        f"({s.get('rounds', 0)}/{s.get('total_rounds') or '?'} rounds)" for n, s in shards.items())]
+
+
 def traffic_line(g: dict[str, Any]) -> list[str]:
     """Every byte every party moved through the store, the aggregator's checkpoints
     named (they are most of what it sends): the parts of one line (see `packed`)."""
@@ -387,6 +394,9 @@ def print_report(console: Console, report: dict[str, Any], *,
     console.print(f"[bold {style}]{report['run_id']} {report['state']}[/]{took}")
     console.print(worker_table(report, console))
     console.print(canonical_line(report, initial_eval))
+    if report.get("aggregator_shards"):
+        console.print(packed(console, shards_line(report["aggregator_shards"])),
+                      soft_wrap=True, highlight=False)
     console.print(packed(console, traffic_line(report["global"])), soft_wrap=True,
                   highlight=False)
     if report.get("cost"):

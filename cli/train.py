@@ -86,9 +86,10 @@ def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: 
     report = build_report(exchange, run_url=run_url, state=outcome,
                           wall_seconds=time.monotonic() - start,
                           message="" if outcome == "finished" else _state_message(state))
-    from flows.jobs import run_members, with_joiners  # noqa: PLC0415 - after quiet_logs
+    from flows.jobs import run_members, with_joiners, with_shards  # noqa: PLC0415
 
     with_joiners(report, exchange, run_members(exchange))  # the workers that joined too
+    with_shards(report, exchange)  # and a sharded aggregator's other shards
     print_report(console, report, initial_eval=_initial_eval(exchange),
                  where=[("store", where), ("status", f"diloco status {_run_ref(run_url)}"),
                         ("MLflow", mlflow_hint()), ("Prefect", prefect_hint(ended=True))]

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from flows.shard_status import shard_statuses, silent_for
 from storage.backends import (
     USE_THE_ENVIRONMENT,
     CredentialsInURL,
@@ -258,6 +259,19 @@ def member_set(rows: list[dict[str, Any]] | None) -> str:
             else ["waiting for admission"])
         out.append(f"{m['worker']} ({', '.join(tags)})")
     return "; members: " + ", ".join(out)
+
+
+def with_shards(report: dict[str, Any], exchange: Exchange) -> dict[str, Any]:
+    """The report with ``aggregator_shards``: each of a sharded aggregator's shards
+    1..K-1 (shard 0 is the aggregator's own row) as its status board last had it,
+    so a report tells a shard that finished from one that died (``silent_s``)."""
+    shards = shard_statuses(exchange)
+    if shards:
+        report["aggregator_shards"] = {
+            name: {"state": st.get("state", "not started"), "rounds": st.get("rounds", 0),
+                   "total_rounds": st.get("total_rounds"), "silent_s": silent_for(st)}
+            for name, st in shards.items()}
+    return report
 
 
 def with_joiners(report: dict[str, Any], exchange: Exchange,

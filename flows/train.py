@@ -50,6 +50,7 @@ from flows.jobs import (
     set_state,
     to_launch,
     with_joiners,
+    with_shards,
 )
 from flows.launchers import AGGREGATOR, DeploymentLauncher, Launcher, LocalLauncher, shard_of
 from storage.backends import refuse_credentials
@@ -168,7 +169,7 @@ def run_train(
         report = (plain if raised else stage)("report", build_report)(
             exchange, run_url=run_url, state=state,
             wall_seconds=time.monotonic() - start, message=message)
-        with_joiners(report, exchange, run_members(exchange))
+        with_shards(with_joiners(report, exchange, run_members(exchange)), exchange)
         hooks.run_finished(report)
         lost = close_hooks(hooks)
         if lost:

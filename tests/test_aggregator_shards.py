@@ -6,6 +6,7 @@ killed and restarted continues to the same bits."""
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 import threading
 import uuid
@@ -281,6 +282,9 @@ def test_diloco_run_with_two_aggregator_shards(tmp_path):
                           env=env, text=True, capture_output=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "participation 100%, 0 rejected" in done.stdout
+    said = " ".join(done.stdout.split())
+    rounds = re.search(r"aggregator-s1 finished \((\d+)/(\d+) rounds\)", said)
+    assert rounds and rounds[1] == rounds[2], said[-2000:]  # the report lists shard 1
     run = next(p for p in (tmp_path / "runs").iterdir() if p.name.startswith("tiny-"))
     store = ObjectStore(str(run))
     keys = set(store.list())

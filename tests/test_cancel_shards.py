@@ -1,6 +1,6 @@
 """``diloco cancel`` waits for a sharded aggregator's other shards too (a deployments
 launch, whose jobs it can only see through their status boards), but not for a shard
-that died without saying so."""
+that died without saying so; the end-of-run report lists them the same way."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from flows import cancel
 from flows.control import shard_board
+from flows.jobs import with_shards
 from storage.objectstore import ObjectStore
 from workers.status import StatusBoard
 
@@ -45,3 +46,12 @@ def test_a_silent_shard_is_not_waited_for(tmp_path):
     time.sleep(0.1)
     assert not cancel.still_running(ex, REMOTE)
     assert cancel.party_states(ex)["aggregator-s1"] == "silent"
+
+
+def test_the_report_lists_the_other_shards(tmp_path):
+    ex = _run(tmp_path, "finished", rounds=7, total_rounds=7)
+    shards = with_shards({}, ex)["aggregator_shards"]
+    assert shards == {"aggregator-s1": {"state": "finished", "rounds": 7, "total_rounds": 7,
+                                        "silent_s": None}}
+    ex.shards = 1  # one aggregator: nothing to add
+    assert with_shards({}, ex) == {}
