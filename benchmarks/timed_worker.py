@@ -276,9 +276,6 @@ def stop(procs: Sequence[subprocess.Popen[str]]) -> None:
 
 
 if __name__ == "__main__":
-    status = main()
-    from workers.group_exit import exit_after_group, in_group  # noqa: PLC0415
+    from workers.group_exit import leave  # noqa: PLC0415
 
-    if in_group():  # a rank of a group: no interpreter teardown (workers/group_exit.py)
-        exit_after_group(status)
-    sys.exit(status)
+    leave(main())  # a rank of a group: no interpreter teardown (workers/group_exit.py)

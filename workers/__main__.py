@@ -231,9 +231,6 @@ def _log_metrics(worker: str):
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    status = main()
-    from workers.group_exit import exit_after_group, in_group  # noqa: PLC0415
+    from workers.group_exit import leave  # noqa: PLC0415
 
-    if in_group():  # a rank of a group: no interpreter teardown (workers/group_exit.py)
-        exit_after_group(status)
-    sys.exit(status)
+    leave(main())  # a rank of a group: no interpreter teardown (workers/group_exit.py)

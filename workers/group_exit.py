@@ -39,3 +39,11 @@ def exit_after_group(code: int) -> NoReturn:
 def in_group() -> bool:
     """Whether this process was started as one rank of several (torchrun's env)."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def leave(status: int) -> NoReturn:
+    """End a command-line job with ``status``: through `exit_after_group` when it is
+    a rank of a group, else as any program exits."""
+    if in_group():
+        exit_after_group(status)
+    sys.exit(status)
