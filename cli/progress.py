@@ -27,7 +27,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from cli.console import runnable
-from flows.shard_status import shard_statuses, silent_for
+from flows.shard_status import shard_state, shard_statuses, silent_for
 from storage.exchange import Exchange
 from workers.gc import Usage
 from workers.report import (
@@ -346,7 +346,7 @@ def canonical_line(report: dict[str, Any], initial: float | None = None) -> str:
 def shards_line(shards: dict[str, dict[str, Any]]) -> list[str]:
     """A sharded aggregator's other shards at the end: the parts of one line."""
     return ["aggregator shards:", *(
-        f"{n} {'silent' if s.get('silent_s') else s.get('state')} "
+        f"{n} {s.get('state')} "
         f"({s.get('rounds', 0)}/{s.get('total_rounds') or '?'} rounds)" for n, s in shards.items())]
 
 
@@ -448,7 +448,7 @@ def print_status(console: Console, exchange: Exchange, run_url: str,
                  (a.get("updated") or "")[11:19]))
     shards = shard_statuses(exchange)
     for name, st in shards.items():
-        rows.append((name, _state("silent" if silent_for(st) else st.get("state")),
+        rows.append((name, _state(shard_state(st)),
                      f"{st.get('rounds', 0)}/{sum(m.rounds)} rounds", "", "", "", "", "", "",
                      (st.get("updated") or "")[11:19]))
     console.print(fitted(console, STATUS_COLUMNS, rows))

@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 
 from flows.launchers import cancel_flow_runs, kill_job
-from flows.shard_status import shard_statuses, silent_for
+from flows.shard_status import shard_state, shard_statuses, silent_for
 from storage.exchange import Exchange
 from workers.report import snapshot
 
@@ -112,8 +112,7 @@ def party_states(exchange: Exchange) -> dict[str, str]:
     states = {w: s.get("state", "not started") for w, s in snap["workers"].items()}
     states["aggregator"] = snap["aggregator"].get("state", "not started")
     for name, st in shard_statuses(exchange).items():
-        states[name] = "silent" if silent_for(st) is not None else st.get("state",
-                                                                           "not started")
+        states[name] = shard_state(st)
     return states
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from flows.shard_status import shard_statuses, silent_for
+from flows.shard_status import shard_state, shard_statuses, silent_for
 from storage.backends import (
     USE_THE_ENVIRONMENT,
     CredentialsInURL,
@@ -268,7 +268,7 @@ def with_shards(report: dict[str, Any], exchange: Exchange) -> dict[str, Any]:
     shards = shard_statuses(exchange)
     if shards:
         report["aggregator_shards"] = {
-            name: {"state": st.get("state", "not started"), "rounds": st.get("rounds", 0),
+            name: {"state": shard_state(st), "rounds": st.get("rounds", 0),
                    "total_rounds": st.get("total_rounds"), "silent_s": silent_for(st)}
             for name, st in shards.items()}
     return report

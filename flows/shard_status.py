@@ -38,3 +38,9 @@ def silent_for(status: dict[str, Any]) -> float | None:
     except ValueError:
         return None
     return age if age > SILENT_HEARTBEATS * float(status.get("heartbeat_s") or 5.0) else None
+
+
+def shard_state(status: dict[str, Any]) -> str:
+    """The state to show for a shard: its own, or ``silent`` when its job died
+    without saying so (`silent_for`)."""
+    return "silent" if silent_for(status) is not None else status.get("state", "not started")
