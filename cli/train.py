@@ -50,7 +50,7 @@ def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: 
     lines of the "where" table)."""
     quiet_logs(verbose)
     # Prefect and torch: imported here, after quiet_logs (see the package docstring).
-    from flows.server import tie_temporary_server  # noqa: PLC0415
+    from flows.server import server_log, tie_temporary_server  # noqa: PLC0415
     from flows.train import train  # noqa: PLC0415
     from workers.locate import open_run  # noqa: PLC0415
 
@@ -67,8 +67,9 @@ def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: 
                 tie_temporary_server()
             except Exception as exc:  # noqa: BLE001 - a timeout, a port: one line, no traceback
                 first = (str(exc).splitlines() or [type(exc).__name__])[0]
-                raise fail(f"Prefect's temporary server did not start: {first}; or set "
-                           f"PREFECT_API_URL to a running server", EXIT_FAILED) from None
+                raise fail(f"Prefect's temporary server did not start: {first} (its log: "
+                           f"{server_log()}); or set PREFECT_API_URL to a running server",
+                           EXIT_FAILED) from None
             state = train(run_url=run_url, resume=resume, storage_options=storage_options,
                           return_state=True, **flow_kwargs)
     except KeyboardInterrupt:

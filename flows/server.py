@@ -14,6 +14,13 @@ uses it, and Prefect's ``atexit`` stop still runs on a normal exit.
 The parent-death signal is sent when the *thread* that started the child ends,
 hence the main thread only; elsewhere (or off Linux) Prefect starts its server as
 it always does.
+
+The server's own output goes to `server_log()` (``$PREFECT_HOME/temporary-server.log``),
+not to the command's terminal: when the server stops, its background services are
+cancelled mid-query and SQLAlchemy logs the cancelled rollback as an error with a
+traceback (Prefect's noise, not the run's), which used to end a finished
+``diloco run`` with a traceback on stderr. If the server does not start, the
+command's one-line error names that file.
 """
 
 from __future__ import annotations
@@ -25,13 +32,43 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Any
+import time
+from pathlib import Path
+from typing import IO, Any
 
 from tracking.settings import unanswered
 
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+
+#: The server log is set aside (``.1``) when it reaches this size at a start.
+SERVER_LOG_MAX_BYTES = 4 << 20
+
+
+def server_log() -> Path:
+    """Where the temporary server started by `tie_temporary_server` writes its
+    output: beside the database it serves, in Prefect's home."""
+    from prefect.settings import PREFECT_HOME  # noqa: PLC0415
+
+    return Path(PREFECT_HOME.value()).expanduser() / "temporary-server.log"
+
+
+def _open_server_log(parent: int) -> IO[bytes]:
+    """The server log, opened for appending with a line saying whose server starts;
+    a log grown past `SERVER_LOG_MAX_BYTES` is moved to ``.1`` first."""
+    path = server_log()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if path.stat().st_size > SERVER_LOG_MAX_BYTES:
+            path.replace(path.with_name(path.name + ".1"))
+    except FileNotFoundError:
+        pass
+    out = path.open("ab")
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    out.write(f"--- {stamp} temporary server of pid {parent}\n".encode())
+    out.flush()
+    return out
 
 
 #: The server's command, ``python -m uvicorn ARGS``, becomes ``python -c BOOT PID
@@ -64,8 +101,8 @@ def _death_signal_preexec(parent: int):
 
 class _WithDeathSignal:
     """The ``subprocess`` module as Prefect's server module sees it while it starts
-    the server: `Popen` of a command that dies with this process, everything else
-    unchanged."""
+    the server: `Popen` of a command that dies with this process and writes to the
+    server log, everything else unchanged."""
 
     def __init__(self, parent: int):
         self._parent = parent
@@ -76,6 +113,10 @@ class _WithDeathSignal:
             args = [args[0], "-c", _BOOT, str(self._parent), *args[3:]]
         else:
             kwargs.setdefault("preexec_fn", _death_signal_preexec(self._parent))
+        if kwargs.get("stdout") is None and kwargs.get("stderr") is None:
+            with _open_server_log(self._parent) as out:  # the child keeps its own copy
+                return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                        **kwargs)
         return subprocess.Popen(args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -111,8 +152,9 @@ def tie_temporary_server() -> bool:
     base._instances.pop(None, None)
     server = TiedServer()  # registered as Prefect's default instance (port None)
     server.start()
-    log.info("Prefect's temporary server: %s (pid %d), stopped with this process",
-             server.api_url, server.server_process.pid if server.server_process else -1)
+    log.info("Prefect's temporary server: %s (pid %d), stopped with this process; its "
+             "log: %s", server.api_url,
+             server.server_process.pid if server.server_process else -1, server_log())
     return True
 
 

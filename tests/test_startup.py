@@ -197,7 +197,8 @@ def test_a_job_whose_launcher_died_during_its_imports_exits(data_url, tmp_path, 
 def test_a_killed_diloco_run_leaves_no_process(tmp_path, data_url):
     """`diloco run` killed with SIGKILL while its jobs start: the jobs and Prefect's
     temporary server it started are gone within a bounded time (the server used to
-    run on, orphaned)."""
+    run on, orphaned). The server wrote to its log file, not to the command's
+    stderr."""
     env = clean_env(tmp_path, DILOCO_TRACKING="off")
     proc = subprocess.Popen([DILOCO, "run", *SHORT, "--set", "train.steps=400", "--set",
                              f"data.dataset={data_url}"], cwd=tmp_path, env=env,
@@ -214,6 +215,12 @@ def test_a_killed_diloco_run_leaves_no_process(tmp_path, data_url):
             time.sleep(0.1)
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         assert server and len(jobs) == 3, seen
+        # the server writes to its log in PREFECT_HOME, not to the command's stderr
+        # (its shutdown noise used to end a finished run with a traceback)
+        server_log = tmp_path / "prefect-home" / "temporary-server.log"
+        assert [os.readlink(f"/proc/{server[0]}/fd/{fd}") for fd in (1, 2)] == \
+            [str(server_log)] * 2
+        assert f"temporary server of pid {proc.pid}" in server_log.read_text()
         proc.kill()
         proc.wait()
         killed = time.monotonic()
