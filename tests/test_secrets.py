@@ -256,11 +256,12 @@ def test_no_secret_from_the_environment_leaks(s3_endpoint, s3_env, s3_bucket, tm
     assert not leaked, leaked
 
     # every file it left here: the logs, MLflow (SQLite and artifacts), Prefect's
-    # database (its home), temporary files
+    # database and its temporary server's log (its home), temporary files
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     names = [str(p.relative_to(tmp_path)) for p in files]
     assert "mlflow.db" in names, names
     assert any(n.startswith("prefect-home/") and ".db" in n for n in names), names
+    assert "prefect-home/temporary-server.log" in names, names
     assert any(n.endswith("summary.json") for n in names), names
     assert any(n.endswith("aggregator.log") for n in names), names
     leaked = [n for p, n in zip(files, names, strict=True)
