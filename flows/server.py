@@ -115,8 +115,8 @@ class _WithDeathSignal:
             kwargs.setdefault("preexec_fn", _death_signal_preexec(self._parent))
         if kwargs.get("stdout") is None and kwargs.get("stderr") is None:
             with _open_server_log(self._parent) as out:  # the child keeps its own copy
-                return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
-                                        **kwargs)
+                kwargs.update(stdout=out, stderr=subprocess.STDOUT)
+                return subprocess.Popen(args, **kwargs)
         return subprocess.Popen(args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
