@@ -268,9 +268,11 @@ def outcome(contender: Contender, cfg, run_url: str, results: list[dict[str, Any
                    rounds, cfg.model_config_resolved.num_parameters())
 
 
-def canonical_eval(run_url: str, cfg, storage_options: dict | None = None) -> float:
+def canonical_eval(run_url: str, cfg, storage_options: dict | None = None,
+                   device: Any = None) -> float:
     """Eval loss of the run's canonical model: the aggregator's outer parameters after
-    every round (docs/algorithms.md section 6, last point), on the workers' val batches."""
+    every round (docs/algorithms.md section 6, last point), on the workers' val batches,
+    on the CPU (or ``device``: a GPU evaluates in bf16 autocast, as its workers do)."""
     import torch  # noqa: PLC0415
 
     from diloco.run import load_canonical, open_exchange, plan_for  # noqa: PLC0415
@@ -285,7 +287,8 @@ def canonical_eval(run_url: str, cfg, storage_options: dict | None = None) -> fl
     data = open_dataset(cfg.dataset_url(run_url), storage_options)
     val = val_batches(data, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
                       num_batches=cfg.train.eval_batches)
-    return evaluate(model, val, torch.device("cpu"))
+    device = torch.device(device or "cpu")
+    return evaluate(model.to(device), val, device)
 
 
 def tracking_hooks(run_url: str, cfg, storage_options: dict | None = None) -> Any:

@@ -12,6 +12,7 @@ CUDA device; 2 on a bad argument or recipe field.
     python scripts/gpu_check.py                       # gpu-150m, 50 steps, cuda
     python scripts/gpu_check.py --recipe gpu-1b --steps 30 --dataset s3://.../c4-32k
     python scripts/gpu_check.py --device cpu --recipe small --steps 20   # here, no GPU
+    python scripts/gpu_check.py --all --out DIR      # the whole prepared check (benchmarks/gpu.py)
 
 Without --dataset the check trains on the built-in Shakespeare bytes (the model's
 vocabulary may be larger than the data's). When --steps is shorter than two rounds of
@@ -33,6 +34,8 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, from a checkout
 
 from diloco.aggregator import Aggregator
 from diloco.run import open_exchange
@@ -117,6 +120,11 @@ def peak_memory(device: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--all" in argv:  # the prepared check of a lent GPU machine
+        from benchmarks import gpu  # noqa: PLC0415
+
+        return gpu.main([a for a in argv if a != "--all"])
     args = arguments(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: --device cuda but torch sees no CUDA device", file=sys.stderr)

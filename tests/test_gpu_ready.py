@@ -28,7 +28,8 @@ def test_step_reads_the_loss_back_only_at_log_steps(dataset, monkeypatch):
 
         def read(self, *args, **kwargs):
             caller = sys._getframe(1)
-            if caller.f_code.co_filename.endswith(("workers/train.py", "workers/losslog.py")):
+            if caller.f_code.co_filename.endswith(("workers/train.py", "workers/losslog.py",
+                                                   "workers/inner.py")):
                 reads.append((caller.f_code.co_name, name))
             return original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, read)
@@ -38,7 +39,8 @@ def test_step_reads_the_loss_back_only_at_log_steps(dataset, monkeypatch):
     run = Run(config(dataset, "workers=[solo]", "train.steps=8", "train.log_every=4"))
     result = run.train()["solo"]
     monkeypatch.undo()
-    assert [n for f, n in reads if f == "_run"] == []  # nothing read back in the loop itself
+    # nothing read back in the loop itself or its inner step
+    assert [n for f, n in reads if f in ("_run", "inner_step", "_batch")] == []
     assert [n for f, n in reads if f == "flush"] == ["tolist", "tolist"]  # steps 4 and 8
     assert len(result.losses) == 8 and sorted(run.losses["solo"]) == [4, 8]
     assert run.losses["solo"][8] == result.losses[-1] == result.final_loss
@@ -74,3 +76,38 @@ def test_gpu_check_fails_without_the_device_it_was_asked_for(capsys):
         pytest.skip("this machine has CUDA")
     assert _gpu_check().main(["--device", "cuda", "--steps", "2"]) == 1
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_the_prepared_check_runs_every_section_on_the_cpu(tmp_path, capsys):
+    """``--all --quick`` on the CPU: what a lent GPU machine will run, small. Every
+    section writes its figures; the torch codecs give the host's bits."""
+    import json  # noqa: PLC0415
+
+    code = _gpu_check().main(["--all", "--out", str(tmp_path), "--device", "cpu", "--quick"])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    assert not [k for k, v in report.items() if isinstance(v, dict) and "error" in v]
+    assert report["env"]["torch"] == torch.__version__
+    inner = report["inner"]["rows"]
+    assert {r["batches"] for r in inner} == {"pageable", "pinned"}
+    assert all(r["ms_per_step"] > 0 and r["tokens_per_s"] > 0 for r in inner)
+    codecs = report["codecs"]["rows"]
+    assert [r["codec"] for r in codecs] == ["int8", "int4", "fp4-e3m0", "topk2"]
+    assert all(r["identical"] is True for r in codecs)
+    exchange = {r["outer_device"]: r for r in report["exchange"]["rows"]}
+    assert set(exchange) == {"cpu", "device"}
+    assert all(r["send_ms"] > 0 and r["merge_ms"] > 0 and r["aggregator_done"]
+               for r in exchange.values())
+    assert 0 < exchange["cpu"]["blocked_share_at_recipe_h"] < 1
+    streaming = report["streaming"]
+    assert streaming["aggregator_done"] and len(streaming["rows"]) == 2
+    assert 0 < streaming["canonical_eval_loss"] < 10
+    assert all(r["steps"] == 16 for r in streaming["rows"])
+    md = (tmp_path / "gpu.md").read_text()
+    assert "## Streaming run" in md and "Canonical eval loss" in md
+
+
+def test_the_prepared_check_refuses_an_unknown_section(tmp_path, capsys):
+    assert _gpu_check().main(["--all", "--out", str(tmp_path), "--device", "cpu",
+                              "--sections", "env,warp"]) == 2
+    assert "unknown warp" in capsys.readouterr().err

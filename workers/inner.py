@@ -1,5 +1,5 @@
-"""The inner step's pieces: the learning-rate schedule, the device, AdamW, the
-evaluation and bf16 autocast.
+"""The inner step and its pieces: the learning-rate schedule, the device, AdamW,
+the batch's way to the device, the evaluation and bf16 autocast.
 
 Apart from the training loop (`workers.train`) so that the aggregator job, which
 evaluates the canonical model, imports them without the loop, the islands and
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -53,6 +54,47 @@ def make_optimizer(model: Transformer, cfg: RunConfig) -> torch.optim.AdamW:
          {"params": no_decay, "weight_decay": 0.0}],
         lr=o.lr, betas=o.betas, eps=o.eps, foreach=False,
     )
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on the training device. To a GPU through pinned memory without
+    waiting: a copy from pageable memory makes the host wait for every kernel queued
+    before it, so the host could never run ahead of the GPU by more than a step."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def inner_step(
+    model: Transformer,
+    opt: torch.optim.Optimizer,
+    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    accum: int,
+    grad_clip: float,
+    device: torch.device,
+    between: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One inner optimizer step over ``accum`` micro-batches; returns the mean loss as
+    a float64 tensor on the device (never read back here: a read would make the host
+    wait for the GPU every step). ``between(loss)``: after the backward passes and
+    before the clip (an island averages its gradients there). The gradients are freed
+    after the step, so they are not held beside the sends and merges that follow
+    (1x the model's size)."""
+    opt.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for _ in range(accum):
+        x, y = next_batch()
+        with autocast_for(device):
+            _, loss = model(x, y)
+        (loss / accum).backward()
+        loss_sum += loss.detach().double() / accum
+    if between is not None:
+        loss_sum = between(loss_sum)
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss_sum
 
 
 @torch.no_grad()

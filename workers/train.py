@@ -39,7 +39,14 @@ from storage.retry import outlast
 from workers import checkpoint, elastic, report
 from workers.config import RunConfig
 from workers.data.streams import WorkerStream, open_dataset, val_batches
-from workers.inner import autocast_for, evaluate, lr_at, make_optimizer, pick_device
+from workers.inner import (
+    evaluate,
+    inner_step,
+    lr_at,
+    make_optimizer,
+    pick_device,
+    to_device,
+)
 from workers.island import ShardedIsland
 from workers.island import make as make_island
 from workers.losslog import LossLog
@@ -292,7 +299,15 @@ class WorkerLoop:
             n = x.shape[0] // self.group.size
             lo = self.group.rank * n
             x, y = x[lo : lo + n], y[lo : lo + n]
-        return x.to(self.device), y.to(self.device)
+        return to_device(x, self.device), to_device(y, self.device)
+
+    def _island_average(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """An island's ranks average their gradients (and losses) before the clip."""
+        if self.group.size > 1:
+            self.island.average_gradients()
+            dist.all_reduce(loss_sum)
+            loss_sum /= self.group.size
+        return loss_sum
 
     def run(self) -> WorkerResult:
         """Train to the end; the status board says ``failed`` if anything raises."""
@@ -346,24 +361,8 @@ class WorkerLoop:
             lr = lr_at(step, cfg, self.warm_from)
             for group in self.opt.param_groups:
                 group["lr"] = lr
-            self.opt.zero_grad(set_to_none=True)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            for _ in range(accum):
-                x, y = self._batch()
-                with autocast_for(self.device):
-                    _, loss = self.model(x, y)
-                (loss / accum).backward()
-                loss_sum += loss.detach().double() / accum
-            if self.group.size > 1:
-                self.island.average_gradients()
-                dist.all_reduce(loss_sum)
-                loss_sum /= self.group.size
-            if cfg.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
-            self.opt.step()
-            # the gradients are dead until the next backward: freed now, they are not
-            # held beside the sends and merges of this step (1x the model's size)
-            self.opt.zero_grad(set_to_none=True)
+            loss_sum = inner_step(self.model, self.opt, self._batch, accum, cfg.optim.grad_clip,
+                                  self.device, between=self._island_average)
             merged = self.island.before_sync(self.schedule, step, self.sync) if island > 1 else []
             abandoned = None
             if self.sync is not None:
