@@ -237,20 +237,26 @@ def measure_inner(cfg: Any, device: torch.device, *, optimizer: str, pinned: boo
 def inner_section(device: torch.device, quick: bool, left: Callable[[], float]) -> dict[str, Any]:
     from workers.config import load_config  # noqa: PLC0415
 
-    recipes = ["tiny"] if quick else ["small", "gpu-150m"]
-    cuda = device.type == "cuda"
-    variants = [("default", False), ("default", True)]
-    if cuda:
-        variants += [("foreach", True), ("fused", True)]
+    # (recipe, overrides, label): gpu-1b as one rank of an 8-GPU island (its batch of
+    # 128 sequences cut in 8), one micro-batch a step
+    recipes = [("tiny", ["data.batch_size=4", "data.seq_len=64"], "tiny")] if quick else [
+        ("small", [], "small"), ("gpu-150m", [], "gpu-150m"),
+        ("gpu-1b", ["data.batch_size=16", "optim.grad_accum=1"], "gpu-1b, 1 of 8 ranks")]
+    # the loop before the GPU run (for-loop AdamW, pageable batches), and now
+    variants = [("loop" if device.type == "cuda" else "default", False), ("default", True)]
     rows: list[dict[str, Any]] = []
-    for recipe in recipes:
-        overrides = [f"train.device={device.type}"]
-        if quick:
-            overrides += ["data.batch_size=4", "data.seq_len=64"]
-        cfg = load_config(recipe, overrides)
-        steps = 4 if quick else (30 if recipe == "small" else 8)
-        base = {"recipe": recipe, "params": cfg.model_config_resolved.num_parameters(),
+    for recipe, overrides, label in recipes:
+        cfg = load_config(recipe, [f"train.device={device.type}", *overrides])
+        steps = 4 if quick else {"small": 30, "gpu-150m": 8}.get(recipe, 3)
+        base = {"recipe": label, "params": cfg.model_config_resolved.num_parameters(),
                 "batch": f"{cfg.data.batch_size}x{cfg.data.seq_len}x{cfg.optim.grad_accum}"}
+        if recipe == "gpu-1b":
+            if left() < 150:
+                rows.append({**base, "skipped": f"{left():.0f} s left"})
+                continue
+            rows.append({**base, **measure_inner(cfg, device, optimizer="default", pinned=True,
+                                                 compiled=False, warmup=2, steps=steps)})
+            continue
         for opt_kind, pinned in variants:
             rows.append({**base, **measure_inner(cfg, device, optimizer=opt_kind, pinned=pinned,
                                                  compiled=False, warmup=3, steps=steps)})
@@ -491,11 +497,13 @@ def streaming_section(device: torch.device, quick: bool, left: Callable[[], floa
     data = prepare_shakespeare(root)
     workers = ["gpu-a", "gpu-b"]
     step = _recipe_step_s(inner, recipe)
-    if step and not quick:  # two workers share the device: each step takes about 2t
-        fits = int((left() - 75) / (2.2 * step))
+    if step and not quick:  # two workers share the device, each at a quarter of the
+        fits = int((left() - 75) / (0.6 * step))  # recipe's tokens: about t / 2 a step
         steps = max(96, min(steps, fits // 48 * 48))
+    # two workers share one card: a quarter of the recipe's tokens a step each (16 x
+    # 1024 x 2), so that both fit an 80 GB card and 200 steps fit the check's minutes
     extra = ["data.batch_size=4", "data.seq_len=64", "sync.sync_every=8", "sync.overlap=1"] \
-        if quick else ["sync.sync_every=48"]
+        if quick else ["sync.sync_every=48", "data.batch_size=16", "optim.grad_accum=2"]
     cfg = load_config(recipe, run_overrides(device, data, steps, workers) + extra)
     url = str(root / "streaming")
     shutil.rmtree(url, ignore_errors=True)
@@ -576,7 +584,8 @@ def markdown(report: dict[str, Any]) -> str:
         rows = []
         for r in inner:
             if "ms_per_step" not in r:
-                rows.append([r["recipe"], r.get("batch", ""), "compiled", "",
+                rows.append([r["recipe"], r.get("batch", ""),
+                             "compiled" if r.get("compiled") else "", "",
                              r.get("skipped") or r.get("error"), "", "", "", ""])
                 continue
             rate = r["model_flops_per_step"] / (r["ms_per_step"] / 1e3) / 1e12
@@ -699,6 +708,9 @@ def main(argv: list[str] | None = None) -> int:
                        "traceback": traceback.format_exc()}
                 print(got["traceback"], file=sys.stderr, flush=True)
             got["seconds"] = round(time.perf_counter() - t0, 1)
+            _free(device)  # a later section's processes need the card's memory
+            if device.type == "cuda":
+                got["reserved_after_gib"] = round(torch.cuda.memory_reserved(device) / 2**30, 2)
             report[section] = got
             report["wall_s"] = time.perf_counter() - start
             (out / "gpu.json").write_text(json.dumps(report, indent=2, default=str) + "\n")

@@ -9,8 +9,11 @@ encode off the host's cores. Every function here gives, for the same float32
 input, exactly the payload and decoded values of its `storage.codecs` counterpart
 (tests/test_device_codecs.py holds them to it on the CPU; `scripts/gpu_check.py
 --all` on a GPU). That works because each step is one IEEE float32 operation
-(torch's CUDA division and multiplication are correctly rounded, nothing is fused
-into an FMA in eager mode, no flush-to-zero) or integer arithmetic on bit patterns.
+(torch's CUDA division of two tensors and its multiplication are correctly rounded,
+nothing is fused into an FMA in eager mode, no flush-to-zero) or integer arithmetic on
+bit patterns. Never divide by a Python number here: on CUDA torch multiplies by its
+reciprocal instead, one rounding off (seen on an H200: int8 and int4 decoded values
+differed from numpy's until the divisor became a tensor).
 
 Covered: ``none``, ``int8``, ``int4`` and ``fp4-e3m0`` (round to nearest) and
 ``topk2``/``topk4`` (selection and quantisation on the device; the Rice-coded index
@@ -194,7 +197,9 @@ def _values(codes: torch.Tensor, s: torch.Tensor, spec: CodecSpec) -> torch.Tens
                                  .astype(np.float32)).to(codes.device)
         unit = table[codes.long()].view(nb, -1)
         return (unit * s[:, None]).view(-1)
-    step = s / float(QMAX[spec.name])
+    # a tensor divisor: CUDA divides by a Python number as a multiplication by its
+    # reciprocal, which is not the correctly rounded quotient numpy computes
+    step = s / torch.full_like(s, float(QMAX[spec.name]))
     return (codes.to(torch.float32).view(nb, -1) * step[:, None]).view(-1)
 
 

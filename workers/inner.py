@@ -45,14 +45,24 @@ def pick_device(cfg: RunConfig) -> torch.device:
 
 
 def make_optimizer(model: Transformer, cfg: RunConfig) -> torch.optim.AdamW:
-    """AdamW; no weight decay on norms (1-D parameters), as is usual for Llama."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    """AdamW; no weight decay on norms (1-D parameters), as is usual for Llama.
+
+    On the CPU the for-loop implementation, whose bits the numerics tests hold against
+    an independent reference. On a GPU (plain tensors, not a sharded island's) the
+    fused one: a few kernels for every parameter at once instead of about ten a
+    parameter, 28% off the inner step of ``small`` on an H200 (53.0 to 38.4 ms; at
+    ``gpu-150m``, which is compute-bound, 0.5%)."""
+    params = list(model.parameters())
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
     o = cfg.optim
+    fused = bool(params) and all(p.device.type == "cuda" and type(p.data) is torch.Tensor
+                                 for p in params)
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": o.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}],
-        lr=o.lr, betas=o.betas, eps=o.eps, foreach=False,
+        lr=o.lr, betas=o.betas, eps=o.eps,
+        **({"fused": True} if fused else {"foreach": False}),
     )
 
 
