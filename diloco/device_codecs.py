@@ -12,8 +12,7 @@ input, exactly the payload and decoded values of its `storage.codecs` counterpar
 (torch's CUDA division of two tensors and its multiplication are correctly rounded,
 nothing is fused into an FMA in eager mode, no flush-to-zero) or integer arithmetic on
 bit patterns. Never divide by a Python number here: on CUDA torch multiplies by its
-reciprocal instead, one rounding off (seen on an H200: int8 and int4 decoded values
-differed from numpy's until the divisor became a tensor).
+reciprocal instead, which is one rounding off the quotient numpy computes.
 
 Covered: ``none``, ``int8``, ``int4`` and ``fp4-e3m0`` (round to nearest) and
 ``topk2``/``topk4`` (selection and quantisation on the device; the Rice-coded index

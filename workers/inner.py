@@ -50,8 +50,7 @@ def make_optimizer(model: Transformer, cfg: RunConfig) -> torch.optim.AdamW:
     On the CPU the for-loop implementation, whose bits the numerics tests hold against
     an independent reference. On a GPU (plain tensors, not a sharded island's) the
     fused one: a few kernels for every parameter at once instead of about ten a
-    parameter, 28% off the inner step of ``small`` on an H200 (53.0 to 38.4 ms; at
-    ``gpu-150m``, which is compute-bound, 0.5%)."""
+    parameter, which matters where kernel launches bound the step (docs/gpu.md)."""
     params = list(model.parameters())
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
