@@ -34,6 +34,8 @@ from workers.report import (
     cost_line,
     human_bytes,
     human_seconds,
+    participation,
+    participation_text,
     run_cost,
     snapshot,
     traffic_totals,
@@ -337,10 +339,8 @@ def canonical_line(report: dict[str, Any], initial: float | None = None) -> str:
     else:
         start = f"{initial:.3f} -> " if initial is not None else ""
         loss = f"eval loss {start}{g['eval_loss']:.3f} (perplexity {g['perplexity']:.2f})"
-    part = g["participation"]
-    part = "-" if part != part else f"{100 * part:.0f}%"  # NaN: no round yet
     return (f"canonical model: {loss}; {g['rounds']}/{g['total_rounds']} rounds, "
-            f"participation {part}, {g['rejected']} rejected")
+            f"{participation_text(g)}, {g['rejected']} rejected")
 
 
 def shards_line(shards: dict[str, dict[str, Any]]) -> list[str]:
@@ -452,6 +452,8 @@ def print_status(console: Console, exchange: Exchange, run_url: str,
                      f"{st.get('rounds', 0)}/{sum(m.rounds)} rounds", "", "", "", "", "", "",
                      (st.get("updated") or "")[11:19]))
     console.print(fitted(console, STATUS_COLUMNS, rows))
+    if a.get("counted_rounds"):  # what became of the contributions the rounds expected
+        console.print(participation_text(participation(a, list(snap["workers"]))))
     workers = [{"bytes_up": s.get("bytes_up"), "bytes_down": s.get("bytes_down")}
                for s in snap["workers"].values()]
     console.print(packed(console, traffic_line(traffic_totals(workers, a))), soft_wrap=True,

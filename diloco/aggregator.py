@@ -65,6 +65,12 @@ class RoundReport:
     late: int = 0  # contributions of earlier rounds applied in this mean
     dropped: int = 0  # contributions dropped as too stale
     expected: int = 0  # members the round waited for
+    absent: int = 0  # contributions of earlier rounds now known never to come
+
+    @property
+    def on_time(self) -> int:
+        """Members whose contribution to this very round is in its mean."""
+        return sum(1 for w in self.weights if "@" not in w)
 
 
 @dataclass
@@ -139,7 +145,8 @@ class Aggregator:
         self.stats = AggregatorStats()
         self.roster = Roster(exchange.store, self.manifest, lease_s=self.config.lease_s,
                              slots=slots or 2 * len(self.manifest.workers))
-        self.gate = Gate(exchange, self.config, self.roster, name)
+        self.gate = Gate(exchange, self.config, self.roster, name,
+                         reduced=lambda p, r: r < self.next_round[p])
         self.pacer = Pacer(len(self.manifest.rounds))
         # a peers mean is never encoded: nothing is lost on the way down to feed back
         self.feedback = (self.config.feedback(self.manifest.codec_down.name)
@@ -263,10 +270,13 @@ class Aggregator:
         for w in committed:
             if w in inbox.arrived or not self.roster.takes_part(w, p, r):
                 continue
+            # a contribution renews its member's lease and is progress: a member that
+            # writes no status (the Python API) is live while it contributes
+            self.roster.contributed(w, self.gate.send_step(p, r))
             got = self._fetch(p, r, w, inbox.rejected)
             if got is not None:
                 inbox.values[w], inbox.tokens[w], inbox.norms[w] = got
-            inbox.last = time.monotonic()
+            inbox.last = self.roster.clock()
         return inbox
 
     def _fetch(self, p: int, k: int, w: str,
@@ -372,6 +382,7 @@ class Aggregator:
             weights = commit["weights"]
             self.gate.restore(p, commit)
             late, dropped = commit.get("late", []), commit.get("dropped", [])
+            absent = commit.get("absent", [])
         # a checkpoint write that fails (an outage) is retried by the next poll, which
         # adopts the committed mean: the step must not have happened twice by then
         before = self.outer[p].state_dict(), self.residual[p]
@@ -399,7 +410,7 @@ class Aggregator:
             if adopted else [inbox.norms[w] for w in sorted(weights)]
         report = RoundReport(p, r, dict(weights), rejected, adopted,
                              time.perf_counter() - start, grad_norm,
-                             late=len(late), dropped=len(dropped),
+                             late=len(late), dropped=len(dropped), absent=len(absent),
                              expected=len(commit.get("expected", [])) if adopted
                              else len(inbox.expected))
         self.stats.rounds.append(report)

@@ -1,9 +1,14 @@
 """When the aggregator reduces a round, and what it owes to the members that missed one.
 
 The aggregator (`diloco.aggregator`) asks the gate, for each open (fragment, round),
-whether to reduce now: every expected member is in, or a quorum is in and the grace
-window (`diloco.grace`) has passed. Who is expected comes from the roster
-(`diloco.membership`). A member whose contribution is not in the reduced round is
+whether to reduce now. Who is expected comes from the roster (`diloco.membership`).
+Every expected member in: now. A missing member that is *coming* (training, not a
+straggler, and progressing, or held by a mean the run has not reduced yet) is waited
+for, up to ``deadline_s``: so a run where nothing failed is reduced with everyone,
+round after round, however busy the machines are, and gives the same model as
+``quorum: 1.0``. Once only members that are not coming are missing (a lapsed lease,
+no progress, a straggler) and a quorum is in, the grace window (`diloco.grace`)
+applies: it is for members that are not coming, not for jitter. A member whose contribution is not in the reduced round is
 *owed*: if its contribution is committed within ``max_staleness`` rounds it joins the
 next mean of that fragment (weighted by its tokens, under the key ``worker@round``),
 exactly once; past that bound it is dropped (``stale``) or, never committed, recorded
@@ -16,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -48,6 +52,8 @@ class Inbox:
     first: float = 0.0  # the aggregator's clock at the first arrival
     quorum_at: float | None = None  # ... when the quorum was in
     last: float = 0.0  # ... at the newest arrival
+    waiting: list[str] = field(default_factory=list)  # missing members it waits for
+    grace_from: float | None = None  # ... since when none of them is coming
 
     @property
     def arrived(self) -> set[str]:
@@ -68,8 +74,12 @@ def parse_key(key: str, round: int) -> tuple[str, int]:
 class Gate:
     """The aggregator's waiting policy and late-contribution bookkeeping."""
 
-    def __init__(self, exchange: Exchange, config: SyncConfig, roster: Roster, name: str):
+    def __init__(self, exchange: Exchange, config: SyncConfig, roster: Roster, name: str,
+                 reduced: Callable[[int, int], bool] = lambda p, r: False):
+        """``reduced(p, r)``: whether the run has reduced round ``r`` of fragment ``p``
+        (a member blocked on its mean is held by the run, not stuck)."""
         self.exchange, self.config, self.roster, self.name = exchange, config, roster, name
+        self.is_reduced = reduced
         self.manifest = exchange.manifest
         self.grace = Grace(config)
         self.schedule = Schedule(config.sync_every, config.fragments, config.send_offset)
@@ -80,7 +90,7 @@ class Gate:
         #: members a round was reduced without; later rounds wait for them only
         #: ``absent_deadline_s``, until one of theirs arrives in time
         self.absent: set[str] = set()
-        self._mean_at = time.monotonic()  # the newest mean of any fragment (or the start)
+        self._mean_at = roster.clock()  # the newest mean of any fragment (or the start)
 
     def inbox(self, p: int, r: int) -> Inbox:
         return self.inboxes.setdefault((p, r), Inbox())
@@ -88,6 +98,20 @@ class Gate:
     def restore(self, p: int, commit: dict | None) -> None:
         """Take what is owed for fragment ``p`` from its newest mean's commit."""
         self.owed[p] = {(str(w), int(k)) for w, k in (commit or {}).get("owed", [])}
+
+    def held(self, name: str, step: int) -> bool:
+        """Whether member ``name``, known to have reached ``step``, is held by the run:
+        it has contributed to the round of its next merge point (so it waits there,
+        or soon will) and the run has not reduced that round. Merge points are every
+        H/P steps whatever tau; the k-th belongs to fragment (k - 1) mod P, round
+        (k - 1) div P."""
+        stride, fragments = self.schedule.stride, len(self.manifest.fragments)
+        k = step // stride + 1  # the first merge point after ``step``
+        p, r = (k - 1) % fragments, (k - 1) // fragments
+        if r >= self.manifest.rounds[p] or self.is_reduced(p, r):
+            return False
+        inbox = self.inboxes.get((p, r))
+        return inbox is not None and name in inbox.arrived
 
     def send_step(self, p: int, r: int) -> int:
         return min(self.schedule.send_step(p, r), self.manifest.total_steps)
@@ -106,7 +130,7 @@ class Gate:
         ``deadline_s`` since the first arrival."""
         if not inbox.arrived:
             return False
-        now = time.monotonic()
+        now = self.roster.clock()
         if not inbox.first:
             inbox.first = now
         inbox.expected = self.expected(p, r)
@@ -120,14 +144,16 @@ class Gate:
             return True
         if inbox.quorum_at is None:
             return False
+        coming = sorted(w for w in missing if self.roster.coming(w, self.held))
+        if coming and now - inbox.first < cfg.deadline_s:
+            inbox.waiting, inbox.grace_from = coming, None
+            return False
+        if inbox.grace_from is None:  # the window counts from when no one is coming
+            inbox.grace_from = now
         grace = self.grace.seconds(inbox.quorum_at, self._mean_at)
-        if any(self.roster.members[w].stamp is None for w in missing):
-            # a member still starting up (no status yet): start-up differences between
-            # regions are absorbed, as long as the longest window allows
-            grace = max(grace, cfg.grace_max_s)
         if missing <= self.absent:
             grace = min(grace, cfg.absent_deadline_s)
-        if now - inbox.quorum_at < grace and now - inbox.first < cfg.deadline_s:
+        if now - inbox.grace_from < grace and now - inbox.first < cfg.deadline_s:
             return False
         # before going on without someone: the newest membership (a leave, a lapse)
         self.roster.refresh(force=True)
@@ -138,7 +164,7 @@ class Gate:
         log.warning(
             "aggregator %s: fragment %d round %d: reducing %d of %d expected members after "
             "%.1f s of grace (missing %s)", self.name, p, r,
-            len(inbox.arrived & inbox.expected), len(inbox.expected), now - inbox.quorum_at,
+            len(inbox.arrived & inbox.expected), len(inbox.expected), now - inbox.grace_from,
             sorted(missing),
         )
         self.absent = (self.absent - inbox.arrived) | missing
@@ -187,7 +213,7 @@ class Gate:
     def reduced(self, p: int, r: int, inbox: Inbox | None) -> None:
         """Round ``r`` of ``p`` is done: feed the grace window (when this aggregator
         reduced it) and forget its inbox."""
-        now = time.monotonic()
+        now = self.roster.clock()
         if inbox is not None and inbox.quorum_at is not None:
             self.grace.observe(quorum_at=inbox.quorum_at, last_arrival=inbox.last,
                                complete=inbox.expected <= inbox.arrived,

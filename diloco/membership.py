@@ -8,9 +8,16 @@ same members:
   ``join`` (two joiners racing for one name: one create wins, the other is refused
   and writes nothing); the aggregator, the one authority, admits it with a
   create-only ``members/{name}/admission.json`` naming its data slot;
-- a member's lease is its status object: every renewal changes its ``updated``
-  field, and the aggregator, on its own clock, counts a member live while it has
-  seen a renewal within ``lease_s`` (worker clocks never decide);
+- a member's lease is renewed by its status object (every renewal changes its
+  ``updated`` field) and by every contribution it commits, so a member driven through
+  the Python API, which writes no status, is live as long as it contributes; the
+  aggregator, on its own clock, counts a member live while it has seen a renewal
+  within ``lease_s`` (worker clocks never decide);
+- a member's progress is the step its status reports (a worker writes it every
+  ``HEARTBEAT_S`` while it trains, with its usual step time) and the send step of each
+  contribution: the aggregator waits for a member that is progressing, and goes on
+  without one that is not, whose lease lapsed, or that is a straggler
+  (`Roster.coming`);
 - ``diloco leave`` writes ``control/leave/{name}.json``; the worker finishes its
   round, commits, and writes ``members/{name}/left.json`` with its last round per
   fragment, after which no one waits for it.
@@ -31,6 +38,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
+
 from storage import layout
 from storage.errors import ObjectMissing
 from storage.objectstore import ObjectStore
@@ -47,6 +56,17 @@ IDLE = ("joining", "left", "finished")
 #: seconds a member that has not written its first status yet keeps its lease
 #: beyond ``lease_s`` (a job starting on a busy machine or a cold node)
 START_PATIENCE_S = 300.0
+#: a member is progressing while its newest progress (a higher step in its status,
+#: or a contribution) is at most this many of its usual gaps old ...
+PROGRESS_GAPS = 10.0
+#: ... and never less than this (a loaded machine stretches steps for a while), nor
+#: more than its lease
+PROGRESS_MIN_S = 30.0
+#: a member whose usual step time is above this multiple of the others' median is a
+#: straggler: rounds go on without it after the grace window
+STRAGGLER_FACTOR = 2.0
+#: statuses of a member still training (or not heard from yet): the ones waited for
+TRAINING = (None, "running")
 
 
 class MembershipError(ValueError):
@@ -158,6 +178,18 @@ class Member:
     stamp: str | None = None  # its status's ``updated``: a change is a renewal
     seen: float = 0.0  # the aggregator's clock at the newest renewal
     record: dict[str, Any] = field(default_factory=dict)
+    step: int | None = None  # the newest step it reached (status or contribution)
+    step_s: float | None = None  # its usual inner step, as its status reports it
+    progress_at: float | None = None  # the aggregator's clock when ``step`` last rose
+    gaps: list[float] = field(default_factory=list)  # recent seconds between rises
+
+    def progressed(self, step: int, now: float) -> None:
+        """It reached ``step``: progress if that is beyond what was known."""
+        if self.step is not None and step <= self.step:
+            return
+        if self.progress_at is not None:
+            self.gaps = [*self.gaps[-15:], now - self.progress_at]
+        self.step, self.progress_at = step, now
 
     @property
     def left(self) -> bool:
@@ -232,6 +264,22 @@ class Roster:
                 self._event("returned", m.name)
         m.state = status.get("state")
         m.from_step = int(status.get("from_step") or 0)
+        if status.get("step") is not None:
+            m.progressed(int(status["step"]), now)
+        if status.get("step_s") is not None:
+            m.step_s = float(status["step_s"])
+
+    def contributed(self, name: str, step: int) -> None:
+        """A contribution of ``name`` sent at ``step`` was seen: it renews the lease
+        and is progress, with or without a status."""
+        m = self.members.get(name)
+        if m is None or m.left:
+            return
+        now = self.clock()
+        if not self.live(name) and m.state is not None:
+            self._event("returned", name)
+        m.seen = now
+        m.progressed(step, now)
 
     def _take_admission(self, m: Member) -> None:
         body = read_json(self.store, layout.admission(m.name)) or {}
@@ -274,6 +322,45 @@ class Roster:
         patience = self.lease_s + (START_PATIENCE_S if m.stamp is None else 0.0)
         return self.clock() - m.seen <= patience
 
+    def progressing(self, name: str) -> bool:
+        """Whether ``name`` holds its lease and has made progress lately: its newest
+        progress at most ``PROGRESS_GAPS`` of its usual gaps (or step times) old,
+        within ``PROGRESS_MIN_S`` .. its lease. One not heard from yet is progressing
+        while it holds its lease (it is starting)."""
+        m = self.members.get(name)
+        if m is None or not self.live(name):
+            return False
+        if m.progress_at is None:
+            return True
+        usual = max(float(np.median(m.gaps)) if m.gaps else 0.0, m.step_s or 0.0)
+        lease = self.lease_s + (START_PATIENCE_S if m.stamp is None else 0.0)
+        patience = min(lease, max(PROGRESS_MIN_S, PROGRESS_GAPS * usual))
+        return self.clock() - m.progress_at <= patience
+
+    def straggler(self, name: str) -> bool:
+        """Whether ``name``'s usual step time (its status's) is above
+        ``STRAGGLER_FACTOR`` times the median of the other live members' (a measure
+        over many steps, not one round's arrival)."""
+        m = self.members.get(name)
+        if m is None or m.step_s is None:
+            return False
+        others = [x.step_s for x in self.members.values() if x.name != name
+                  and x.step_s is not None and self.live(x.name) and x.state in TRAINING]
+        return bool(others) and m.step_s > STRAGGLER_FACTOR * float(np.median(others))
+
+    def coming(self, name: str,
+               held: Callable[[str, int], bool] = lambda name, step: False) -> bool:
+        """Whether a round should wait for ``name`` (up to ``deadline_s``): it is
+        training (or not heard from yet), not a straggler, and progressing, or held
+        after its newest known step by a mean the run has not reduced yet
+        (``held(name, step)``)."""
+        m = self.members.get(name)
+        if m is None or m.state not in TRAINING or self.straggler(name):
+            return False
+        if self.progressing(name):
+            return True
+        return self.live(name) and m.step is not None and held(name, m.step)
+
     def is_member(self, name: str) -> bool:
         m = self.members.get(name)
         return m is not None and m.refused is None and (m.slot is not None)
@@ -310,7 +397,9 @@ class Roster:
         now = self.clock()
         return [{"worker": m.name, "slot": m.slot, "joined": m.joined, "left": m.left,
                  "live": self.live(m.name), "lease_age_s": round(now - m.seen, 1),
-                 "state": m.state, "from_step": m.from_step, "refused": m.refused}
+                 "state": m.state, "from_step": m.from_step, "refused": m.refused,
+                 "step": m.step, "step_s": m.step_s,
+                 "straggler": self.straggler(m.name)}
                 for m in sorted(self.members.values(), key=lambda x: (x.slot is None,
                                                                        x.slot, x.name))]
 
@@ -323,7 +412,8 @@ def members_of(store: ObjectStore, manifest: RunManifest) -> list[dict[str, Any]
     out = []
     for m in roster.describe():
         status = read_json(store, layout.member_status(m["worker"])) or {}
-        m.pop("live"), m.pop("lease_age_s")
+        for key in ("live", "lease_age_s", "step", "step_s", "straggler"):
+            m.pop(key)  # the aggregator's view, not the store's
         m["updated"] = status.get("updated")
         out.append(m)
     return out

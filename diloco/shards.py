@@ -306,7 +306,8 @@ class ShardAggregator(Aggregator):
         report = RoundReport(p, r, dict(weights), dict(dec.get("rejected", {})), inbox is None,
                              time.perf_counter() - start, float(mean.norm()),
                              late=len(dec.get("late", [])), dropped=len(dec.get("dropped", [])),
-                             expected=len(dec.get("expected", [])))
+                             expected=len(dec.get("expected", [])),
+                             absent=len(dec.get("absent", [])))
         self.stats.late += report.late
         self.stats.dropped += report.dropped
         self.stats.rounds.append(report)

@@ -183,7 +183,8 @@ def run_aggregator_job(
     previous = read_status(status_store, NAME) or {}
     # participation, counted as rounds are applied and kept across restarts
     counted = {"rounds_by_worker": dict.fromkeys(manifest.workers, 0), "counted_rounds": 0,
-               "participants_total": 0, "expected_total": 0}
+               "participants_total": 0, "expected_total": 0, "on_time_total": 0,
+               "late_total": 0, "dropped_total": 0, "absent_total": 0}
     if previous.get("rounds_by_worker"):
         counted.update({k: previous[k] for k in counted if k in previous})
     # the bytes it moves, cumulative across restarts like the workers' (each life adds
@@ -261,6 +262,12 @@ def run_aggregator_job(
         counted["counted_rounds"] += 1
         counted["participants_total"] += len(applied)
         counted["expected_total"] += max(report.expected, len(present))
+        # each expected contribution ends once: in its round's mean (on time), in a
+        # later one (late), past max_staleness (dropped) or never committed (absent)
+        counted["on_time_total"] += len(present)
+        counted["late_total"] += report.late
+        counted["dropped_total"] += report.dropped
+        counted["absent_total"] += report.absent
         if pending:
             evaluate_pending()
         now = maybe_evaluate()

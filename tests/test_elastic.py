@@ -200,3 +200,44 @@ def test_the_grace_window_follows_the_spread_and_is_capped_by_the_pace():
     fast.observe(quorum_at=1.0, last_arrival=1.01, complete=True, previous_mean_at=0.0)
     assert fast.seconds() == pytest.approx(0.1)  # 3 x 0.01 is below grace_min_s
     assert Grace(cfg.model_copy(update={"grace_s": 7.0})).seconds() == 7.0
+
+
+def test_a_fault_free_run_with_jitter_equals_the_strict_run(dataset):
+    """region-b is held up for 1.5 s at several steps (a busy machine), far past the
+    grace window (at most 2 s, adaptively much less), but it keeps progressing: at
+    the default quorum every round still waits for it, so the canonical model equals
+    the quorum 1.0 run's bit for bit, with nothing late or dropped. (A lease of 30 s:
+    the harness's 3 s would make 3 s without a step a lapse of progress.)"""
+    import torch  # noqa: PLC0415
+
+    strict = Run(dataset, "train.steps=16", "sync.lease_s=30", "sync.quorum=1.0")
+    for w in strict.cfg.workers:
+        strict.start(w)
+    strict.wait()
+    run = Run(dataset, "train.steps=16", "sync.lease_s=30")
+    run.start("region-a")
+
+    def held_up(m):  # region-b's metrics callback runs in its loop: its step stalls
+        if "loss" in m and m["step"] in {3, 6, 7, 11}:
+            time.sleep(1.5)
+
+    def work():
+        try:
+            loop = WorkerLoop(run.url, "region-b", metrics=held_up)
+            try:
+                run.results["region-b"] = loop.run()
+            finally:
+                loop.close()
+        except BaseException as exc:  # surfaced by run.wait
+            run.errors.append(exc)
+
+    t = threading.Thread(target=work, name="region-b")
+    t.start()
+    run.threads.append(t)
+    run.wait()
+    for p in range(2):
+        assert torch.equal(strict.aggregator.canonical(p), run.aggregator.canonical(p))
+    report = audit(open_exchange(run.url))
+    _clean(report)
+    assert report["applied_late"] == 0 and report["dropped_stale"] == 0
+    assert run.aggregator.stats.late == 0 and strict.aggregator.stats.late == 0

@@ -309,6 +309,26 @@ def test_report_of_a_run_that_has_not_started(data_url, tmp_path):
     assert not ex.store.exists(CANCEL_KEY)
 
 
+def test_participation_counts_only_on_time_contributions():
+    """12 contributions expected: 10 were in their own round's mean, 1 was folded into
+    a later mean, 1 never came. Participation is 10 / 12 (83%), not the 100% that
+    counting the late one as taking part gave, and the line says what became of the
+    rest."""
+    from workers.report import participation_text  # noqa: PLC0415
+
+    status = {"counted_rounds": 6, "expected_total": 12, "participants_total": 12,
+              "on_time_total": 10, "late_total": 1, "dropped_total": 0, "absent_total": 1,
+              "rounds_by_worker": {"region-a": 6, "region-b": 6}}
+    g = participation(status, ["region-a", "region-b"])
+    assert g["participation"] == pytest.approx(10 / 12)
+    assert (g["on_time"], g["expected"], g["late"], g["dropped"], g["absent"]) == (10, 12, 1, 0, 1)
+    text = participation_text(g)
+    assert text == "participation 83% on time (10 of 12; 1 late, 0 dropped, 1 absent)"
+    full = participation({**status, "on_time_total": 12, "late_total": 0, "absent_total": 0},
+                         ["region-a", "region-b"])
+    assert participation_text(full) == "participation 100%"
+
+
 def test_worker_islands_of_two_processes_under_torchrun(data_url, tmp_path):
     """`--nproc 2`: each worker job runs its island under torchrun (two processes
     averaging gradients, rank 0 exchanging with the store). The run finishes, each

@@ -18,7 +18,8 @@ import math
 from typing import Any
 
 ROUND_EXTRAS = ("eval_loss", "perplexity", "bytes_up", "bytes_down", "bytes_checkpoints",
-                "late", "dropped", "expected", "cost_usd", "egress_usd", "requests_usd")
+                "late", "dropped", "absent", "expected", "cost_usd", "egress_usd",
+                "requests_usd")
 
 #: the run's bill on the parent run (from the train job's report, `workers.report`):
 #: all parties, the workers', the aggregator's, egress and requests
@@ -30,6 +31,19 @@ def cost_totals(summary: dict[str, Any]) -> dict[str, float]:
     """The dollar totals of a train job's report, for the parent run's metrics."""
     g = summary.get("global") or {}
     return {k: float(g[k]) for k in COST_TOTALS if is_number(g.get(k))}
+
+
+#: what became of the contributions the rounds expected (`workers.report.participation`),
+#: on the parent run: the on-time share, and counts of the others
+PARTICIPATION_TOTALS = {"participation": "participation_on_time", "late": "contributions_late",
+                        "dropped": "contributions_dropped", "absent": "contributions_absent"}
+
+
+def participation_totals(summary: dict[str, Any]) -> dict[str, float]:
+    """The participation figures of a train job's report, for the parent run."""
+    g = summary.get("global") or {}
+    return {name: float(g[k]) for k, name in PARTICIPATION_TOTALS.items()
+            if is_number(g.get(k)) and g[k] == g[k]}  # NaN: no round was counted
 
 
 def on_time(weights: dict[str, Any]) -> dict[str, Any]:

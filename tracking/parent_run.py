@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from tracking.metrics import cost_totals, is_number
+from tracking.metrics import cost_totals, is_number, participation_totals
 from tracking.runs import is_permanent, log_artifacts
 from tracking.settings import clip, flatten, strip_credentials, without_credentials
 
@@ -149,8 +149,8 @@ def finish(client: Any, uri: str | None, parent: str, summary: dict[str, Any],
         log_artifacts(client, uri, parent, out)
     ts = int(time.time() * 1000)
     metrics = [Metric(k, float(v), ts, 0) for k, v in results.items() if is_number(v)]
-    metrics += [Metric(k, v, ts, 0) for k, v in cost_totals(summary).items()
-                if k not in results]
+    totals = {**cost_totals(summary), **participation_totals(summary)}
+    metrics += [Metric(k, v, ts, 0) for k, v in totals.items() if k not in results]
     if metrics:
         client.log_batch(parent, metrics=metrics, synchronous=True)
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -57,6 +59,8 @@ from workers.status import StatusBoard
 log = logging.getLogger(__name__)
 
 Metrics = Callable[[dict[str, Any]], None]
+#: steps whose seconds give a worker's usual step (its status's ``step_s``)
+PACE_STEPS = 32
 
 
 class Interrupted(Exception):
@@ -150,6 +154,9 @@ class WorkerLoop:
         self.worker = worker
         self.sync: Synchronizer | None = None
         self.step, self.tokens, self.from_step = 0, 0, 0
+        #: seconds of the recent steps, whole (a merge that waited included): their
+        #: median, the usual step, is what the aggregator compares members by
+        self.pace: deque[float] = deque(maxlen=PACE_STEPS)
         self.warm_from: int | None = None
         self.metrics = metrics or (lambda m: None)
         self.stop = stop or threading.Event()
@@ -350,7 +357,12 @@ class WorkerLoop:
         if elastic.leaving(self):
             return self._leave(start, losses)
         halt = False  # an island stops together: the ranks decide after every step
+        began = None
         while self.step < total:
+            now = time.perf_counter()  # the step before, whole: logging and waits too
+            if began is not None:
+                self.pace.append(now - began)
+            began = now
             if halt or (self.group.size == 1 and self.stop.is_set()):
                 losses.flush()
                 self.save()
@@ -445,8 +457,16 @@ class WorkerLoop:
             tokens=self.tokens, bytes_up=up, bytes_down=down, **bill,
             wait_s=self.sync.stats.wait_seconds if self.sync else 0.0, **report.taus(self.sync),
             from_step=self.from_step, slot=getattr(getattr(self, "seat", None), "slot", None),
+            step_s=self.usual_step_s(),
             rebases=self.sync.stats.rebases if self.sync else 0, **fields,
         )
+
+    def usual_step_s(self) -> float | None:
+        """The median of the recent steps' seconds (None before ``PACE_STEPS // 4``):
+        a merge that waits is one step in H/P, so the median is the step itself."""
+        if len(self.pace) < PACE_STEPS // 4:
+            return None
+        return round(statistics.median(self.pace), 4)
 
     def _report(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:
         m: dict[str, Any] = {
