@@ -38,6 +38,9 @@ _LOW_BIT_CODECS = {"int4", "fp4-e3m0", *SPARSE_CODECS}
 SPARSE_ERROR_DECAY = 0.95
 #: k of 4096 by default: Covenant-72B's 64 (1.56%)
 DEFAULT_SPARSE_K = 64
+#: the default norm_guard_params: honest outer gradients of the benchmark runs were at
+#: most ~MEASURED of their fragment's initial norm (docs/algorithms.md, the norm guard)
+NORM_GUARD_PARAMS = 100.0
 
 
 class SyncConfig(BaseModel):
@@ -167,10 +170,18 @@ class SyncConfig(BaseModel):
     norm_guard: float = Field(
         default=10.0,
         description="reject a contribution whose norm exceeds this multiple of the median "
-        "of recent accepted ones (0: off)",
+        "of recent accepted ones, or (three or more in one mean) of the mean's others "
+        "(0: every norm rule off)",
     )
     norm_guard_warmup: int = Field(
-        default=2, description="rounds of a fragment before the norm guard applies"
+        default=2, description="rounds of a fragment before the norm guard's median rule "
+        "applies (the rules against the fragment's parameters and against the round's "
+        "other contributions apply from round 0)"
+    )
+    norm_guard_params: float = Field(
+        default=NORM_GUARD_PARAMS, description="from round 0, reject a contribution whose "
+        "norm exceeds this multiple of the norm of the fragment's initial parameters "
+        "(0: off); honest ones measured far below it (docs/algorithms.md, the norm guard)"
     )
     norm_guard_window: int = Field(
         default=8, description="recent rounds whose accepted norms the guard compares with"
@@ -243,7 +254,7 @@ class SyncConfig(BaseModel):
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if not 0.0 < self.quorum <= 1.0:
             raise ValueError(f"quorum must be in (0, 1], got {self.quorum}")
-        for name in ("deadline_s", "absent_deadline_s", "norm_guard"):
+        for name in ("deadline_s", "absent_deadline_s", "norm_guard", "norm_guard_params"):
             if not getattr(self, name) >= 0:  # also rejects NaN
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.min_quorum < 1:

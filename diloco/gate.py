@@ -87,9 +87,10 @@ class Gate:
         #: per fragment: (worker, round) contributions that missed their round and may
         #: still be applied late (from the newest commit, so a restart keeps them)
         self.owed: list[set[tuple[str, int]]] = [set() for _ in self.manifest.fragments]
-        #: members a round was reduced without; later rounds wait for them only
-        #: ``absent_deadline_s``, until one of theirs arrives in time
-        self.absent: set[str] = set()
+        #: members a round was reduced without, with the step they were known at then:
+        #: later rounds wait for them only ``absent_deadline_s``, until they progress
+        #: again or one of theirs arrives in time
+        self.absent: dict[str, int | None] = {}
         self._mean_at = roster.clock()  # the newest mean of any fragment (or the start)
 
     def inbox(self, p: int, r: int) -> Inbox:
@@ -98,6 +99,19 @@ class Gate:
     def restore(self, p: int, commit: dict | None) -> None:
         """Take what is owed for fragment ``p`` from its newest mean's commit."""
         self.owed[p] = {(str(w), int(k)) for w, k in (commit or {}).get("owed", [])}
+
+    def _back(self, names: set[str]) -> None:
+        for w in names:
+            self.absent.pop(w, None)
+
+    def _still_absent(self, name: str) -> bool:
+        """A member a round went on without counts as coming again only once it has
+        progressed past the step it was known at then."""
+        if name not in self.absent:
+            return False
+        m = self.roster.members.get(name)
+        step, then = (m.step if m is not None else None), self.absent[name]
+        return step is None or (then is not None and step <= then)
 
     def held(self, name: str, step: int) -> bool:
         """Whether member ``name``, known to have reached ``step``, is held by the run:
@@ -140,18 +154,19 @@ class Gate:
         if len(inbox.arrived) >= need and inbox.quorum_at is None:
             inbox.quorum_at = now
         if not missing:
-            self.absent -= inbox.arrived
+            self._back(inbox.arrived)
             return True
         if inbox.quorum_at is None:
             return False
-        coming = sorted(w for w in missing if self.roster.coming(w, self.held))
+        coming = sorted(w for w in missing if self.roster.coming(w, self.held)
+                        and not self._still_absent(w))
         if coming and now - inbox.first < cfg.deadline_s:
             inbox.waiting, inbox.grace_from = coming, None
             return False
         if inbox.grace_from is None:  # the window counts from when no one is coming
             inbox.grace_from = now
         grace = self.grace.seconds(inbox.quorum_at, self._mean_at)
-        if missing <= self.absent:
+        if missing <= set(self.absent):
             grace = min(grace, cfg.absent_deadline_s)
         if now - inbox.grace_from < grace and now - inbox.first < cfg.deadline_s:
             return False
@@ -167,7 +182,9 @@ class Gate:
             len(inbox.arrived & inbox.expected), len(inbox.expected), now - inbox.grace_from,
             sorted(missing),
         )
-        self.absent = (self.absent - inbox.arrived) | missing
+        self._back(inbox.arrived)
+        for w in missing:
+            self.absent.setdefault(w, self.roster.members[w].step)
         return True
 
     def settle(self, p: int, r: int, inbox: Inbox, fetch: Fetch

@@ -361,6 +361,20 @@ class Roster:
             return True
         return self.live(name) and m.step is not None and held(name, m.step)
 
+    def tokens_per_step(self, name: str) -> int | None:
+        """The most tokens ``name`` trains in one inner step: its admitted batch (a
+        joiner's from its membership record, else the run's, per worker if set) x
+        sequence length x gradient accumulation, from the run's config; None when the
+        config does not say (a run made through the Python API)."""
+        cfg = self.manifest.config or {}
+        data, optim = cfg.get("data") or {}, cfg.get("optim") or {}
+        if data.get("batch_size") is None or data.get("seq_len") is None:
+            return None
+        m = self.members.get(name)
+        batch = (m.record.get("batch_size") if m is not None and m.joined else None) or \
+            (data.get("worker_batch_size") or {}).get(name, data["batch_size"])
+        return int(batch) * int(data["seq_len"]) * int(optim.get("grad_accum") or 1)
+
     def is_member(self, name: str) -> bool:
         m = self.members.get(name)
         return m is not None and m.refused is None and (m.slot is not None)

@@ -40,7 +40,12 @@ from diloco.run import load_initial
 from storage import layout
 from storage.arrays import Coded
 from storage.checkpoints import read_checkpoint, write_checkpoint
-from storage.errors import BAD_CONTRIBUTION, OutsizedContribution, TransientStoreError
+from storage.errors import (
+    BAD_CONTRIBUTION,
+    ImplausibleClaim,
+    OutsizedContribution,
+    TransientStoreError,
+)
 from storage.exchange import Exchange, weighted_sum
 from storage.shards import (
     assemble_checkpoint,
@@ -86,6 +91,7 @@ class ShardAggregator(Aggregator):
     # -- state ---------------------------------------------------------------------
     def _resume(self) -> None:
         init = load_initial(self.exchange, len(self.manifest.fragments))
+        self.theta_norms = [float(v.norm()) for v in init]  # the norm guard's yardstick
         self.outer, self.residual, self.next_round = [], [], []
         for p, params in enumerate(init):
             sp = self.spans[p]
@@ -199,8 +205,9 @@ class ShardAggregator(Aggregator):
         if reason is None:
             norm = math.sqrt(sumsq + sum(float(c["sumsq"]) for c in checks))
             try:
+                self._check_claim(p, k, w, tokens)
                 self._guard(p, k, w, norm)
-            except OutsizedContribution as exc:
+            except (OutsizedContribution, ImplausibleClaim) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
         if reason is not None:
             rejected[key or w] = reason
@@ -232,6 +239,7 @@ class ShardAggregator(Aggregator):
             return None, None
         owed_before = set(self.gate.owed[p])
         late, dropped, absent = self.gate.settle(p, r, inbox, self._fetch)
+        self._peer_guard(p, r, inbox)
         weights = self._weights(inbox.tokens)
         self.stats.rejected += len(inbox.rejected)
         body = {"weights": {k: float(v) for k, v in sorted(weights.items())},
@@ -288,6 +296,7 @@ class ShardAggregator(Aggregator):
                 if self.feedback:
                     self.residual[p] = x - mean
                 self.outer[p].step(mean)
+            self._halt_check(p, r, weights, dict(dec.get("rejected", {})))
             self.fault("stepped", p, r)
             self._checkpoint(p, r, weights)
             self.fault("checkpointed", p, r)

@@ -52,11 +52,17 @@ class OutsizedContribution(StoreError):
     guard): one worker must not be able to ruin the model with a huge value."""
 
 
+class ImplausibleClaim(StoreError):
+    """A contribution whose commit claims more tokens than its member could have
+    trained since its previous one (its batch x sequence x accumulation x steps):
+    token weights must not be taken on trust."""
+
+
 #: What makes one worker's contribution unusable. The aggregator rejects it (and
 #: records why); its sender goes on as if it had not been counted.
 BAD_CONTRIBUTION: tuple[type[StoreError], ...] = (
     CorruptObject, PartialObject, ShapeMismatch, NonFiniteValues, ObjectMissing,
-    OutsizedContribution,
+    OutsizedContribution, ImplausibleClaim,
 )
 
 
