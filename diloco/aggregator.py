@@ -55,6 +55,9 @@ PEER_GUARD_MIN = 3
 #: rounds in a row of one fragment whose every contribution was rejected before the
 #: aggregator stops: its model is no longer being trained, and that must be said
 HALT_AFTER_REJECTED = 3
+#: ``late: decay``: a contribution's token weight is multiplied by this for every round
+#: it is late
+LATE_DECAY = 0.5
 
 
 class RunHalted(RuntimeError):
@@ -138,6 +141,7 @@ class Aggregator:
         on_stall: Callable[[list[Stall]], None] | None = None,
         keep_checkpoints: int = 0,
         slots: int | None = None,
+        hold_back: Callable[[int, int, str], bool] | None = None,
     ):
         """``keep_checkpoints``: round checkpoints of the canonical state kept per
         fragment (0 keeps all). Each is the fragment's float32 parameters and
@@ -148,6 +152,9 @@ class Aggregator:
         if keep_checkpoints < 0:
             raise ValueError(f"keep_checkpoints must be >= 0 (0 keeps all), got {keep_checkpoints}")
         self.keep_checkpoints = keep_checkpoints
+        #: benchmarks only: ``hold_back(p, r, worker)`` keeps that contribution out of
+        #: its round, so it is settled as late (benchmarks.bench_late)
+        self.hold_back = hold_back
         self.exchange = exchange
         self.manifest = exchange.manifest
         self.name = name
@@ -289,6 +296,9 @@ class Aggregator:
         for w in committed:
             if w in inbox.arrived or not self.roster.takes_part(w, p, r):
                 continue
+            if self.hold_back is not None and self.hold_back(p, r, w):
+                inbox.withheld.add(w)  # a benchmark's lateness: seen only in a later mean
+                continue
             # a contribution renews its member's lease and is progress: a member that
             # writes no status (the Python API) is live while it contributes
             self.roster.contributed(w, self.gate.send_step(p, r))
@@ -402,11 +412,18 @@ class Aggregator:
         contribution a chunk at a time into the one sum."""
         return torch.from_numpy(weighted_sum(self.manifest.numel(p), values, weights))
 
-    @staticmethod
-    def _weights(tokens: dict[str, int]) -> dict[str, float]:
-        """Token weights (uniform when no tokens were counted)."""
-        total = sum(tokens.values())
-        return {w: (tokens[w] / total if total > 0 else 1.0 / len(tokens)) for w in sorted(tokens)}
+    def _weights(self, tokens: dict[str, int], r: int) -> dict[str, float]:
+        """Token weights (uniform when no tokens were counted) of round ``r``'s mean;
+        with ``late: decay`` a contribution ``s`` rounds late counts ``2**-s`` of its
+        tokens (staleness never raises a weight)."""
+        scaled = dict(tokens)
+        if self.config.late == "decay":
+            for key in tokens:
+                s = r - parse_key(key, r)[1]
+                scaled[key] = tokens[key] * LATE_DECAY ** s
+        total = sum(scaled.values())
+        return {w: (scaled[w] / total if total > 0 else 1.0 / len(scaled))
+                for w in sorted(scaled)}
 
     def _try_round(self, p: int) -> bool:
         r = self.next_round[p]
@@ -429,7 +446,7 @@ class Aggregator:
             self._peer_guard(p, r, inbox)
             rejected = dict(inbox.rejected)
             self.stats.rejected += len(rejected)
-            weights = self._weights(inbox.tokens)
+            weights = self._weights(inbox.tokens, r)
             acc = self._mean(p, inbox.values, weights)
             x = self._with_residual(p, acc) if weights else acc
             published = self.exchange.publish_mean(

@@ -22,6 +22,7 @@ Pattern = Literal["strided", "sequential"]
 OuterStep = Literal["nesterov", "average"]
 MeanFrom = Literal["aggregator", "peers"]
 OuterDevice = Literal["cpu", "device"]
+Late = Literal["fold", "decay", "drop"]
 
 # Outer optimizer defaults per mode (docs/algorithms.md sections 2 and 6). Blocking and
 # streaming use DiLoCo's 0.7 / 0.9. Stale updates and outer momentum do not mix
@@ -38,9 +39,9 @@ _LOW_BIT_CODECS = {"int4", "fp4-e3m0", *SPARSE_CODECS}
 SPARSE_ERROR_DECAY = 0.95
 #: k of 4096 by default: Covenant-72B's 64 (1.56%)
 DEFAULT_SPARSE_K = 64
-#: the default norm_guard_params: honest outer gradients of the benchmark runs were at
-#: most ~MEASURED of their fragment's initial norm (docs/algorithms.md, the norm guard)
-NORM_GUARD_PARAMS = 100.0
+#: the default norm_guard_params: honest outer gradients of the benchmark runs stayed
+#: below half their fragment's initial norm (docs/algorithms.md, the norm guard)
+NORM_GUARD_PARAMS = 20.0
 
 
 class SyncConfig(BaseModel):
@@ -154,6 +155,11 @@ class SyncConfig(BaseModel):
         default=2,
         description="rounds a late contribution may be behind and still be applied (in the "
         "next mean of its fragment); a worker further behind heals to the canonical state",
+    )
+    late: Late = Field(
+        default="fold", description="what becomes of a contribution that missed its round "
+        "and arrives within max_staleness: fold (into the next mean at its token weight), "
+        "decay (the same, its weight halved for every round it is late) or drop"
     )
     lease_s: float = Field(
         default=120.0,

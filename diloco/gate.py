@@ -54,6 +54,7 @@ class Inbox:
     last: float = 0.0  # ... at the newest arrival
     waiting: list[str] = field(default_factory=list)  # missing members it waits for
     grace_from: float | None = None  # ... since when none of them is coming
+    withheld: set[str] = field(default_factory=set)  # kept out by a benchmark's hook
 
     @property
     def arrived(self) -> set[str]:
@@ -159,7 +160,7 @@ class Gate:
         if inbox.quorum_at is None:
             return False
         coming = sorted(w for w in missing if self.roster.coming(w, self.held)
-                        and not self._still_absent(w))
+                        and not self._still_absent(w) and w not in inbox.withheld)
         if coming and now - inbox.first < cfg.deadline_s:
             inbox.waiting, inbox.grace_from = coming, None
             return False
@@ -205,7 +206,9 @@ class Gate:
         for k in sorted(by_round):
             names = set(self.exchange.committed_workers(p, k))
             for w in sorted(by_round[k]):
-                if w in names and r - k <= bound:
+                if w in names and r - k <= bound and self.config.late == "drop":
+                    dropped.append({"worker": w, "round": k, "reason": "late"})
+                elif w in names and r - k <= bound:
                     key = late_key(w, k)
                     got = fetch(p, k, w, inbox.rejected, key)
                     if got is not None:

@@ -240,7 +240,7 @@ class ShardAggregator(Aggregator):
         owed_before = set(self.gate.owed[p])
         late, dropped, absent = self.gate.settle(p, r, inbox, self._fetch)
         self._peer_guard(p, r, inbox)
-        weights = self._weights(inbox.tokens)
+        weights = self._weights(inbox.tokens, r)
         self.stats.rejected += len(inbox.rejected)
         body = {"weights": {k: float(v) for k, v in sorted(weights.items())},
                 "rejected": dict(inbox.rejected),

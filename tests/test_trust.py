@@ -416,3 +416,20 @@ def test_a_checkpoint_write_that_fails_once_does_not_step_the_round_twice(monkey
         states.append((agg.canonical(0).clone(), agg.momentum(0).clone(), agg.residual[0].clone()))
     for a, b in zip(*states, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_audit_ignores_commits_of_names_that_are_not_members():
+    """A commit planted in the slot of 'mallory' (no member of the run) is ignored by
+    the aggregator; the audit counts it as ignored, not as lost or pending."""
+    from diloco.audit import audit  # noqa: PLC0415
+
+    _, ex = make_run(BLOCKING, steps=4)
+    agg = Aggregator(open_exchange(ex.store))
+    for r in range(2):
+        for w in ("w0", "w1", "mallory"):
+            ex.publish_delta(0, r, w, vec(ex, 0.1), tokens=10)
+        assert agg.poll_once()
+    assert sorted(ex.fetch_mean(0, 1)[1]["weights"]) == ["w0", "w1"]
+    report = audit(ex)
+    assert (report["applied"], report["ignored"], report["pending"]) == (4, 2, 0)
+    assert report["lost"] == [] and report["double"] == []
