@@ -29,6 +29,22 @@ WORKERS = Annotated[str, typer.Option(
     "--workers", help="comma-separated worker names, as in the run config's workers")]
 
 
+def _names(workers: str) -> list[str]:
+    """``--workers`` as a list of valid worker names, or the one-line error."""
+    from storage.layout import check_name  # noqa: PLC0415
+
+    names = [w.strip() for w in workers.split(",")]
+    if not workers.strip() or "" in names:
+        raise fail(f"--workers: {workers!r} has an empty worker name; give comma-separated "
+                   "names, e.g. --workers region-a,region-b")
+    for name in names:
+        try:
+            check_name("worker", name)
+        except ValueError as exc:
+            raise fail(f"--workers: {exc}") from None
+    return names
+
+
 def _say(line: str) -> None:
     console.print(line, markup=False, highlight=False, soft_wrap=True)
 
@@ -58,8 +74,9 @@ def setup_command(
     from infra.policies import parse_principals  # noqa: PLC0415
     from infra.setup import setup  # noqa: PLC0415 - boto3, for this command only
 
+    names = _names(workers)
     try:
-        setup(url, workers.split(","), say=_say, dry_run=dry_run, expire_days=expire_days,
+        setup(url, names, say=_say, dry_run=dry_run, expire_days=expire_days,
               abort_multipart_days=abort_multipart_days, policies_out=policies_out,
               principals=parse_principals(principal or []), endpoint_url=endpoint,
               region=region)
@@ -78,9 +95,10 @@ def policies_command(
     from infra.policies import access_table, role_policies, write_policies  # noqa: PLC0415
     from infra.setup import parse_url  # noqa: PLC0415
 
+    names = _names(workers)
     try:
         bucket, prefix = parse_url(url)
-        documents = role_policies(bucket, prefix, workers.split(","))
+        documents = role_policies(bucket, prefix, names)
     except ValueError as exc:
         raise fail(str(exc)) from None
     if out is None:

@@ -82,6 +82,12 @@ def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: 
         exchange = None
     if state is not None and state.is_failed() and exchange is None:
         raise fail(_state_message(state))
+    if state is not None and state.is_failed() and not resume and _lost_the_race(state):
+        # another `diloco run` created this run between our check and our flow: it is
+        # theirs, running or not; nothing of ours was written
+        raise fail(f"a run already exists at {where}: another diloco run created it first; "
+                   f"watch it with: diloco status {_run_ref(run_url)}, or choose another "
+                   "--run-url")
     outcome = ("finished" if state.is_completed() else
                "cancelled" if state.is_cancelled() else "failed")
     report = build_report(exchange, run_url=run_url, state=outcome,
@@ -100,6 +106,16 @@ def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: 
         raise typer.Exit(EXIT_FAILED)
     if outcome == "cancelled":
         raise typer.Exit(EXIT_CANCELLED)
+
+
+def _lost_the_race(state: Any) -> bool:
+    """Whether the failed train flow found the run already created (RunExists)."""
+    from storage.errors import RunExists  # noqa: PLC0415
+
+    try:
+        return isinstance(state.result(raise_on_failure=False), RunExists)
+    except Exception:  # noqa: BLE001 - no result kept: go by the message
+        return "RunExists" in (state.message or "")
 
 
 def _state_message(state: Any) -> str:

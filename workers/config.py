@@ -362,6 +362,14 @@ def _blamed(recipe: dict[str, Any], overrides: list[str], where: str) -> str:
     return blamed or where
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: what the parser expected and where (line and column, 1-based)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
+
+
 def load_config(
     source: str | Path | dict[str, Any] | None = None, overrides: list[str] | None = None
 ) -> RunConfig:
@@ -378,7 +386,7 @@ def load_config(
         try:
             tree = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{where}: not valid YAML: {exc}") from exc
+            raise ConfigError(f"{where}: not valid YAML: {yaml_problem(exc)}") from exc
         if not isinstance(tree, dict):
             raise ConfigError(f"{where}: the top level must be a mapping of sections")
     recipe = copy.deepcopy(tree)

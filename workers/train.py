@@ -166,6 +166,10 @@ class WorkerLoop:
         if self.cfg.train.threads:
             torch.set_num_threads(self.cfg.train.threads)
 
+        # first: a worker that is not a member fails in one line, before any work
+        self.seat = elastic.take_seat(
+            self.store, manifest, self.cfg, worker, join=join, claim=claim,
+            on_wait=lambda: self._status("joining", force=True, note="waiting for admission"))
         self.dataset = open_dataset(self.cfg.dataset_url(run_url), storage_options)
         mcfg = self.cfg.model_config_resolved
         if self.dataset.vocab_size > mcfg.vocab_size:
@@ -187,9 +191,6 @@ class WorkerLoop:
                                   self.cfg.train.island if self._uses_sync() else "replicate",
                                   self.group.rank, self.group.size, self.cfg.sync.auto_overlap)
 
-        self.seat = elastic.take_seat(
-            self.store, manifest, self.cfg, worker, join=join, claim=claim,
-            on_wait=lambda: self._status("joining", force=True, note="waiting for admission"))
         b, size = self.seat.batch_size, self.group.size
         dp = self.cfg.train.strategy == "data_parallel"
         if dp and self.group.size not in (1, len(manifest.workers)):
