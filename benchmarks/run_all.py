@@ -1,5 +1,5 @@
 """Every benchmark in one command: codecs, exchange, quality, traffic, bandwidth, elastic,
-prepare, model, scale.
+prepare, model, scale, jitter.
 
     .venv/bin/python -m benchmarks.run_all [--only quality,traffic] [--quick] [--no-mlflow] \\
         [--results-dir DIR]
@@ -36,7 +36,7 @@ from pathlib import Path
 from benchmarks.report import RESULTS, ROOT, stop_on_sigterm
 
 BENCHMARKS = ("codecs", "exchange", "quality", "traffic", "bandwidth", "elastic", "prepare",
-              "model", "scale")
+              "model", "scale", "jitter")
 
 # Full-size arguments are each benchmark's defaults; quick ones are smoke-test sized.
 QUICK: dict[str, list[str]] = {
@@ -54,6 +54,7 @@ QUICK: dict[str, list[str]] = {
     "scale": ["--params", "1000000", "--backends", "file", "--reduce-log2n", "16",
               "--recipe-seq-len", "32", "--recipe-batch-size", "2", "--recipe-set",
               "model.overrides={d_model: 32, n_layers: 6, n_heads: 2}"],
+    "jitter": ["--repeats", "1", "--steps", "8", "--hogs", "1"],
 }
 MODULES = {name: f"benchmarks.bench_{name}" for name in BENCHMARKS}
 HAS_MLFLOW = {"quality", "traffic", "bandwidth"}

@@ -19,7 +19,7 @@ import typer
 from cli.console import EXIT_FAILED, EXIT_INTERRUPTED, fail
 
 BENCHMARKS = ("codecs", "exchange", "quality", "traffic", "bandwidth", "elastic", "prepare",
-              "model", "scale")
+              "model", "scale", "jitter")
 
 
 def checkout() -> Path:
@@ -52,7 +52,8 @@ def bench(
     the exchange at scale per model size (`diloco bench scale`: short real runs of the
     small and gpu-150m recipes with every stage of a round timed, the blocked share of
     a round and peak RSS per party; a 1B model's fragment round on local disk and S3;
-    the sharded aggregator's throughput).
+    the sharded aggregator's throughput), and whether repeats of a default run give
+    one model on an idle and a loaded machine (`diloco bench jitter`).
 
     Each benchmark runs as its own process, one after the other; each writes JSON
     and Markdown, and benchmarks/results/summary.md gathers them. A full run takes
