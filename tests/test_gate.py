@@ -199,3 +199,25 @@ def test_a_lapsed_lease_is_not_expected(exchange):
         s.tick(30.0)  # b renews nothing for 150 s > lease_s
     assert s.gate.expected(0, 0) == {"a", "c"}
     assert s.ready(arrived("a", "c"))
+
+
+def test_a_quorum_of_half_of_three_is_two(exchange):
+    """quorum 0.5 of 3 expected members needs ceil(1.5) = 2: with one contribution in
+    and the two others not coming, the round never goes on (until deadline_s); with
+    two in, it goes on after the grace window."""
+    s = Setup(exchange)
+    for w in "abc":
+        s.status(w, 3)
+    s.tick(1.0)
+    s.tick(PROGRESS_MIN_S + 1)  # no one progresses: no one is coming
+    for w in "abc":
+        s.status(w, 3)  # renewed leases
+    s.tick(1.0)
+    one = arrived("a")
+    for _ in range(5):
+        assert not s.ready(one)
+        s.tick(10.0)
+    two = arrived("a", "b")
+    assert not s.ready(two)  # the grace window starts
+    s.tick(5.0)
+    assert s.ready(two)

@@ -433,3 +433,81 @@ def test_the_audit_ignores_commits_of_names_that_are_not_members():
     report = audit(ex)
     assert (report["applied"], report["ignored"], report["pending"]) == (4, 2, 0)
     assert report["lost"] == [] and report["double"] == []
+
+
+def test_the_audit_counts_a_late_contribution_as_late():
+    """w1's round 0 is held out of its round (as if late) and folded into round 1's
+    mean as w1@0: the audit says one applied late, three applied on time; a quick
+    check that needs no slow elastic run."""
+    from diloco.audit import audit  # noqa: PLC0415
+
+    _, ex = make_run(BLOCKING.model_copy(update={"grace_s": 0.0}), steps=4)
+    agg = Aggregator(open_exchange(ex.store),
+                     hold_back=lambda p, r, w: (r, w) == (0, "w1"))
+    for r in range(2):
+        for w in ("w0", "w1"):
+            ex.publish_delta(0, r, w, vec(ex, 0.1), tokens=10)
+        assert agg.poll_once()
+    assert sorted(ex.fetch_mean(0, 0)[1]["weights"]) == ["w0"]
+    assert sorted(ex.fetch_mean(0, 1)[1]["weights"]) == ["w0", "w1", "w1@0"]
+    report = audit(ex)
+    assert (report["applied"], report["applied_late"], report["pending"]) == (3, 1, 0)
+
+
+def test_a_contribution_exactly_at_the_norm_guard_is_used():
+    """The guard rejects norms above the limit, not at it: with powers of two the norm
+    of 2**-4 values equals 8 x the median norm of 2**-7 values exactly."""
+    cfg = BLOCKING.model_copy(update={"norm_guard": 8.0, "norm_guard_warmup": 1})
+    _, ex = make_run(cfg, steps=4)
+    agg = Aggregator(open_exchange(ex.store))
+    for w in ("w0", "w1"):
+        ex.publish_delta(0, 0, w, vec(ex, 2.0**-7), tokens=10)
+    assert agg.poll_once()
+    ex.publish_delta(0, 1, "w0", vec(ex, 2.0**-7), tokens=10)
+    ex.publish_delta(0, 1, "w1", vec(ex, 2.0**-4), tokens=10)  # exactly 8 x the median
+    assert agg.poll_once()
+    assert ex.rejections(0, 1) == {}
+    assert sorted(ex.fetch_mean(0, 1)[1]["weights"]) == ["w0", "w1"]
+
+
+def test_a_worker_does_not_step_on_a_round_whose_every_contribution_was_rejected():
+    """Blocking DiLoCo, H 2: rounds 0 and 1 build up outer momentum; every contribution
+    of round 2 is rejected. Each worker's outer parameters and momentum stay as round 1
+    left them (a zero step would still move them through the momentum), equal to the
+    aggregator's, and round 3 steps again."""
+    from replicas import data, train_replicas  # noqa: PLC0415
+
+    from storage.errors import ImplausibleClaim  # noqa: PLC0415
+
+    class RejectRoundTwo(Aggregator):
+        def _check_claim(self, p, k, w, tokens):
+            if k == 2:
+                raise ImplausibleClaim("planted for the test")
+            super()._check_claim(p, k, w, tokens)
+
+    made: list[Aggregator] = []
+
+    def aggregate(stop):
+        made.append(RejectRoundTwo(open_exchange(ObjectStore(url))))
+        made[0].run(stop, 120)
+        return made[0]
+
+    outer: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def on_step(worker, step, sync):
+        momentum = sync.outer_momentum(0)
+        outer.setdefault(worker, {})[step] = (
+            sync.outer_params(0).clone(),
+            None if momentum is None else momentum.clone())
+
+    url = f"memory://trust/{uuid.uuid4().hex}"
+    train_replicas(url, Blocks, data, BLOCKING, total_steps=8, on_step=on_step,
+                   aggregate=aggregate)
+    assert made[0].exchange.fetch_mean(0, 2)[1]["weights"] == {}
+    for w in ("w0", "w1"):
+        params4, momentum4 = outer[w][4]  # after round 1
+        params6, momentum6 = outer[w][6]  # after round 2: nothing usable
+        assert float(momentum4.abs().max()) > 0
+        assert torch.equal(params4, params6) and torch.equal(momentum4, momentum6)
+        assert not torch.equal(outer[w][8][0], params6)  # round 3 steps again
+        assert torch.equal(outer[w][8][0], made[0].canonical(0))
