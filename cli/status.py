@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 
 from cli.console import console, errors, fail, quiet_logs, shown
+from cli.figures import print_status
 from cli.members import members, print_members
-from cli.progress import print_status
 from cli.train import open_named_run
 from flows import cancel as cancelling
 from flows.control import cancel_request, read_launcher, request_cancel

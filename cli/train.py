@@ -30,7 +30,8 @@ from cli.console import (
     shown,
     user_errors,
 )
-from cli.progress import print_report, progress_for
+from cli.figures import print_report
+from cli.progress import progress_for
 from cli.store import describe, local_s3, read_back_hint
 from flows.cancel import live_local_jobs
 from flows.control import cancel_request, read_launcher

@@ -37,32 +37,18 @@ from diloco.membership import Roster
 from diloco.outer import OuterState
 from diloco.pacing import Pacer
 from diloco.run import latest_global, load_initial
+from diloco.trust import Trust
 from storage import layout
 from storage.arrays import Coded
 from storage.checkpoints import read_checkpoint, write_checkpoint
-from storage.errors import (
-    BAD_CONTRIBUTION,
-    ImplausibleClaim,
-    ObjectMissing,
-    OutsizedContribution,
-)
+from storage.errors import BAD_CONTRIBUTION, ObjectMissing
 from storage.exchange import Exchange, weighted_sum
 from storage.retry import outlast
 
 log = logging.getLogger(__name__)
-#: contributions a mean needs before they are compared with each other (the norm guard)
-PEER_GUARD_MIN = 3
-#: rounds in a row of one fragment whose every contribution was rejected before the
-#: aggregator stops: its model is no longer being trained, and that must be said
-HALT_AFTER_REJECTED = 3
 #: ``late: decay``: a contribution's token weight is multiplied by this for every round
 #: it is late
 LATE_DECAY = 0.5
-
-
-class RunHalted(RuntimeError):
-    """The aggregator stops stepping: the canonical model is no longer finite, or every
-    contribution of a fragment has been rejected for several rounds in a row."""
 
 
 def _utc_now() -> str:
@@ -174,14 +160,14 @@ class Aggregator:
         self.feedback = (self.config.feedback(self.manifest.codec_down.name)
                          and not exchange.from_peers)
         self._norms: dict[tuple[int, int], list[float]] = {}
-        self._all_rejected = [0] * len(self.manifest.fragments)
-        #: (fragment, worker) -> the send step of its newest accepted claim
-        self._sent_at: dict[tuple[int, str], int] = {}
         self._progress_at = time.monotonic()
         self._progress_wall = _utc_now()
         self._stall_reported = 0.0
         self.stalled: list[Stall] = []
         self._resume()
+        self.trust = Trust(self.config, self.roster, send_step=self.gate.send_step,
+                           theta_norms=self.theta_norms, norms_of=self._norms_of,
+                           record=self.exchange.record_rejection, name=self.name)
 
     # -- state ---------------------------------------------------------------------
     def _resume(self) -> None:
@@ -319,85 +305,15 @@ class Aggregator:
         try:
             value, commit = self.exchange.hold_delta(p, k, w)
             tokens = int(commit.get("tokens", 0))
-            self._check_claim(p, k, w, tokens)
+            self.trust.claim(p, k, w, tokens)
             norm = math.sqrt(value.sumsq())
-            self._guard(p, k, w, norm)
+            self.trust.guard(p, k, w, norm)
         except BAD_CONTRIBUTION as exc:  # anything else (the store down) propagates
             rejected[key or w] = f"{type(exc).__name__}: {exc}"
             log.warning("aggregator %s: rejected %s", self.name, exc)
             self.exchange.record_rejection(p, k, w, rejected[key or w])
             return None
         return value, tokens, norm
-
-    def _check_claim(self, p: int, k: int, w: str, tokens: int) -> None:
-        """A contribution's tokens are its weight in the mean: more than its member
-        could have trained since its previous contribution to the fragment (its
-        admitted batch x sequence x accumulation x the steps between the two sends;
-        from step 0 when no earlier one is known) is rejected."""
-        per_step = self.roster.tokens_per_step(w)
-        step = self.gate.send_step(p, k)
-        before = self._sent_at.get((p, w), 0) if self._sent_at.get((p, w), 0) < step else 0
-        if per_step is not None and tokens > per_step * (step - before):
-            raise ImplausibleClaim(
-                f"delta of worker {w} for fragment {p} round {k}: it claims {tokens} tokens, "
-                f"more than the {per_step * (step - before)} it could have trained in steps "
-                f"{before + 1}..{step} ({per_step} a step)")
-        self._sent_at[(p, w)] = max(step, self._sent_at.get((p, w), 0))
-
-    def _guard(self, p: int, r: int, worker: str, norm: float) -> None:
-        """The norm guard, so that one worker cannot ruin the model with a huge (but
-        finite) value. From round 0: a contribution above ``norm_guard_params`` times
-        the norm of the fragment's initial parameters is rejected (an honest outer
-        gradient is a small fraction of it). After ``norm_guard_warmup`` rounds also
-        one above ``norm_guard`` times the median of the accepted norms of the last
-        ``norm_guard_window`` rounds (read from the committed means, so a restarted
-        aggregator decides the same). The round's own contributions are compared with
-        each other when the round is reduced (`_peer_guard`)."""
-        cfg = self.config
-        if not cfg.norm_guard:  # 0: the whole guard is off
-            return
-        what = f"delta of worker {worker} for fragment {p} round {r}: norm {norm:.4g}"
-        theta = self.theta_norms[p]
-        if cfg.norm_guard_params and not norm <= cfg.norm_guard_params * theta:
-            raise OutsizedContribution(
-                f"{what} is above the norm guard {cfg.norm_guard_params * theta:.4g} "
-                f"({cfg.norm_guard_params:g} x the norm of the fragment's initial "
-                f"parameters, {theta:.4g})")
-        if r < cfg.norm_guard_warmup:
-            return
-        history = [n for k in range(max(0, r - cfg.norm_guard_window), r)
-                   for n in self._norms_of(p, k)]
-        if not history:
-            return
-        limit = cfg.norm_guard * float(np.median(history))
-        if not norm <= limit:
-            raise OutsizedContribution(
-                f"{what} is above the norm guard {limit:.4g} ({cfg.norm_guard:g} x the "
-                f"median of the accepted norms of the last {cfg.norm_guard_window} rounds)"
-            )
-
-    def _peer_guard(self, p: int, r: int, inbox: Inbox) -> None:
-        """With three or more contributions in one mean, reject any whose norm is above
-        ``norm_guard`` times their median (so from round 0 a single outsized one among
-        honest peers is caught, before any history exists); each rejection is recorded
-        like any other."""
-        cfg = self.config
-        if not cfg.norm_guard or len(inbox.values) < PEER_GUARD_MIN:
-            return
-        limit = cfg.norm_guard * float(np.median(list(inbox.norms.values())))
-        for key in sorted(inbox.values):
-            norm = inbox.norms[key]
-            if norm <= limit:
-                continue
-            w, k = parse_key(key, r)
-            reason = (f"OutsizedContribution: delta of worker {w} for fragment {p} round {k}: "
-                      f"norm {norm:.4g} is above the norm guard {limit:.4g} "
-                      f"({cfg.norm_guard:g} x the median of the {len(inbox.values)} "
-                      f"contributions of this mean)")
-            del inbox.values[key], inbox.tokens[key], inbox.norms[key]
-            inbox.rejected[key] = reason
-            log.warning("aggregator %s: rejected %s", self.name, reason)
-            self.exchange.record_rejection(p, k, w, reason)
 
     def _norms_of(self, p: int, k: int) -> list[float]:
         if (p, k) not in self._norms:
@@ -443,7 +359,7 @@ class Aggregator:
                 return False
             owed_before = set(self.gate.owed[p])
             late, dropped, absent = self.gate.settle(p, r, inbox, self._fetch)
-            self._peer_guard(p, r, inbox)
+            self.trust.peers(p, r, inbox)
             rejected = dict(inbox.rejected)
             self.stats.rejected += len(rejected)
             weights = self._weights(inbox.tokens, r)
@@ -482,7 +398,8 @@ class Aggregator:
             else:  # every contribution rejected: the round is recorded, never a step
                 log.warning("aggregator %s: fragment %d round %d: no usable contribution; "
                             "the outer state is not stepped", self.name, p, r)
-            self._halt_check(p, r, weights, rejected or (commit or {}).get("rejected") or {})
+            self.trust.halt_check(p, r, weights, rejected or (commit or {}).get("rejected") or {},
+                                  self.outer[p].params)
             self.fault("stepped", p, r)
             self._checkpoint(p, r, weights)
             self.fault("checkpointed", p, r)
@@ -509,24 +426,6 @@ class Aggregator:
                  p, r, len(weights), f", {len(late)} late" if late else "",
                  ", adopted" if adopted else "")
         return True
-
-    def _halt_check(self, p: int, r: int, weights: dict[str, float],
-                    rejected: dict[str, str]) -> None:
-        """Stop (`RunHalted`, before the round is checkpointed) when the canonical
-        parameters are no longer finite after the step, or when every contribution of
-        the fragment's last ``HALT_AFTER_REJECTED`` rounds was rejected: a run whose
-        model is not being trained must say so, not exit 0."""
-        if weights and not bool(torch.isfinite(self.outer[p].params).all()):
-            raise RunHalted(f"aggregator {self.name}: fragment {p} round {r}: the canonical "
-                            "parameters are no longer finite after the outer step; nothing "
-                            "was checkpointed, stopping")
-        self._all_rejected[p] = 0 if weights else self._all_rejected[p] + bool(rejected)
-        if self._all_rejected[p] >= HALT_AFTER_REJECTED:
-            raise RunHalted(
-                f"aggregator {self.name}: fragment {p}: every contribution of its last "
-                f"{HALT_AFTER_REJECTED} rounds was rejected (round {r}: "
-                f"{'; '.join(sorted(rejected.values()))[:400]}); the canonical model is not "
-                "being trained, stopping")
 
     def _replay(self, p: int, r: int, commit: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The committed mean and what this aggregator's pre-quantisation value would

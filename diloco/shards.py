@@ -205,8 +205,8 @@ class ShardAggregator(Aggregator):
         if reason is None:
             norm = math.sqrt(sumsq + sum(float(c["sumsq"]) for c in checks))
             try:
-                self._check_claim(p, k, w, tokens)
-                self._guard(p, k, w, norm)
+                self.trust.claim(p, k, w, tokens)
+                self.trust.guard(p, k, w, norm)
             except (OutsizedContribution, ImplausibleClaim) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
         if reason is not None:
@@ -239,7 +239,7 @@ class ShardAggregator(Aggregator):
             return None, None
         owed_before = set(self.gate.owed[p])
         late, dropped, absent = self.gate.settle(p, r, inbox, self._fetch)
-        self._peer_guard(p, r, inbox)
+        self.trust.peers(p, r, inbox)
         weights = self._weights(inbox.tokens, r)
         self.stats.rejected += len(inbox.rejected)
         body = {"weights": {k: float(v) for k, v in sorted(weights.items())},
@@ -296,7 +296,8 @@ class ShardAggregator(Aggregator):
                 if self.feedback:
                     self.residual[p] = x - mean
                 self.outer[p].step(mean)
-            self._halt_check(p, r, weights, dict(dec.get("rejected", {})))
+            self.trust.halt_check(p, r, weights, dict(dec.get("rejected", {})),
+                                  self.outer[p].params)
             self.fault("stepped", p, r)
             self._checkpoint(p, r, weights)
             self.fault("checkpointed", p, r)

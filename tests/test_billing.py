@@ -175,7 +175,7 @@ def test_a_real_run_across_two_clouds_bills_each_worker(in_process, tmp_path, mo
     from rich.console import Console
 
     from cli.app import app
-    from cli.progress import print_report
+    from cli.figures import print_report
     from flows.launchers import LocalLauncher
     from flows.train import run_train
     from workers.config import load_config

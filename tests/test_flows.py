@@ -263,7 +263,7 @@ def test_the_report_says_what_tracking_did_not_log(data_url, tmp_path):
     train job's report and the figures `diloco run` prints, naming the job."""
     from rich.console import Console  # noqa: PLC0415
 
-    from cli.progress import print_report  # noqa: PLC0415
+    from cli.figures import print_report  # noqa: PLC0415
     from flows.jobs import record_not_logged  # noqa: PLC0415
 
     cfg = micro(data_url, tmp_path)

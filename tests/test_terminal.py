@@ -16,14 +16,14 @@ import pytest
 from cli_runs import SHORT, clean_env
 from rich.console import Console
 
+from cli import figures as figures_module
 from cli import progress
 from cli.console import PIPED_WIDTH, width_for
+from cli.figures import print_report, print_status
 from cli.progress import (
     BAR_MIN,
     LiveProgress,
     PlainProgress,
-    print_report,
-    print_status,
     progress_for,
     round_line,
 )
@@ -130,7 +130,7 @@ def fake_exchange(workers=NAMES, total_steps=200_000, rounds=(1000, 1000)) -> Si
 
 @pytest.mark.parametrize("width", [80, 100, 120, 200])
 def test_status_fits_and_cuts_nothing(width, monkeypatch):
-    monkeypatch.setattr(progress, "snapshot", lambda exchange: status_snapshot())
+    monkeypatch.setattr(figures_module, "snapshot", lambda exchange: status_snapshot())
     lines = rendered(width, lambda c: print_status(c, fake_exchange(), "runs/x", None, None))
     figures = [*ALWAYS, "1234/2000 rounds", "1.800"]
     assert_fits([line for line in lines if not line.startswith("gpu-1b")], width,
@@ -287,7 +287,7 @@ def test_traffic_and_store_lines_break_between_figures_never_inside_one():
 
     from rich.console import Console
 
-    from cli.progress import packed, store_line, traffic_line
+    from cli.figures import packed, store_line, traffic_line
     from workers.report import traffic_totals
 
     console = Console(width=80, record=True)

@@ -108,7 +108,7 @@ def usd(value: float | None) -> str:
 
 def cost_line(cost: dict[str, Any]) -> list[str]:
     """The run's bill so far, who paid it and over which crossing, and the prices
-    it rests on: the parts of one line (`cli.progress.packed` breaks it)."""
+    it rests on: the parts of one line (`cli.figures.packed` breaks it)."""
     if set(cost["prices"]) <= {"other"}:  # nothing priced: say how to price it
         return ["cost: not priced (store and parties are in other:local; set billing.store",
                 "and billing.regions to the clouds the run uses to see its egress bill)"]
