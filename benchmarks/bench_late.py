@@ -84,8 +84,8 @@ def markdown(report: dict[str, Any]) -> str:
     return ("## A late contribution: fold, decay or drop (canonical eval loss)\n\n"
             + md_table(["M", "policy", "eval loss", "vs on time", "late applied", "dropped"],
                        rows)
-            + f"\n\nWorker 1's contribution held back in every {report['late_every']}th "
-            f"round of each fragment; {report['steps']} steps, one seed.")
+            + f"\n\nWorker 1's contribution held back in one round of every "
+            f"{report['late_every']} of each fragment; {report['steps']} steps, one seed.")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -157,9 +157,10 @@ class SyncConfig(BaseModel):
         "next mean of its fragment); a worker further behind heals to the canonical state",
     )
     late: Late = Field(
-        default="fold", description="what becomes of a contribution that missed its round "
-        "and arrives within max_staleness: fold (into the next mean at its token weight), "
-        "decay (the same, its weight halved for every round it is late) or drop"
+        default="drop", description="what becomes of a contribution that missed its round "
+        "and arrives within max_staleness: drop (measured best: benchmarks.bench_late), "
+        "fold (into the next mean at its token weight) or decay (the same, its weight "
+        "halved for every round it is late)"
     )
     lease_s: float = Field(
         default=120.0,
