@@ -165,9 +165,11 @@ class Aggregator:
         self._stall_reported = 0.0
         self.stalled: list[Stall] = []
         self._resume()
+        self._theta: dict[tuple[int, int], float] = {}
         self.trust = Trust(self.config, self.roster, send_step=self.gate.send_step,
-                           theta_norms=self.theta_norms, norms_of=self._norms_of,
-                           record=self.exchange.record_rejection, name=self.name)
+                           theta_norm=self.theta_norm, fragments=len(self.outer),
+                           norms_of=self._norms_of, record=self.exchange.record_rejection,
+                           name=self.name)
 
     # -- state ---------------------------------------------------------------------
     def _resume(self) -> None:
@@ -314,6 +316,19 @@ class Aggregator:
             self.exchange.record_rejection(p, k, w, rejected[key or w])
             return None
         return value, tokens, norm
+
+    def theta_norm(self, p: int) -> float:
+        """The norm guard's yardstick for fragment ``p``: the larger of the norm of its
+        initial parameters and of its canonical ones now (after the rounds applied:
+        the same at a restart, so the same decisions), once per round."""
+        key = (p, self.next_round[p])
+        if key not in self._theta:
+            self._theta = {k: v for k, v in self._theta.items() if k[0] != p}
+            self._theta[key] = max(self.theta_norms[p], self._current_norm(p))
+        return self._theta[key]
+
+    def _current_norm(self, p: int) -> float:
+        return float(self.outer[p].params.norm())
 
     def _norms_of(self, p: int, k: int) -> list[float]:
         if (p, k) not in self._norms:

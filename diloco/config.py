@@ -187,8 +187,9 @@ class SyncConfig(BaseModel):
     )
     norm_guard_params: float = Field(
         default=NORM_GUARD_PARAMS, description="from round 0, reject a contribution whose "
-        "norm exceeds this multiple of the norm of the fragment's initial parameters "
-        "(0: off); honest ones measured far below it (docs/algorithms.md, the norm guard)"
+        "norm exceeds this multiple of the norm of the fragment's parameters (initial or "
+        "current canonical, the larger; 0: off); honest ones measured far below it "
+        "(docs/algorithms.md, the norm guard)"
     )
     norm_guard_window: int = Field(
         default=8, description="recent rounds whose accepted norms the guard compares with"

@@ -216,6 +216,13 @@ class ShardAggregator(Aggregator):
             return None
         return value, tokens, norm
 
+    def _current_norm(self, p: int) -> float:
+        """Shard 0 holds only its slice of the canonical parameters: the fragment's norm
+        is estimated from it, scaled to the whole (the guard's factor has margin)."""
+        sp = self.spans[p]
+        whole = self.manifest.numel(p)
+        return float(self.outer[p].params.norm()) * math.sqrt(whole / max(1, sp.hi - sp.lo))
+
     def _norms_of(self, p: int, k: int) -> list[float]:
         if (p, k) not in self._norms:
             commit = decision(self.exchange, p, k) or {}

@@ -4,9 +4,9 @@ worker can ruin a run (docs/algorithms.md, "Which contributions a round uses").
 - the token claim: at most what the member could have trained since its previous
   contribution to the fragment (`claim`, `ImplausibleClaim`);
 - the norm guard (`guard`, `peers`, `OutsizedContribution`): from round 0 against the
-  norm of the fragment's initial parameters and against the other contributions of
-  the same mean (three or more), after a warm-up against the fragment's recent
-  accepted norms;
+  norm of the fragment's parameters (the larger of the initial and the current
+  canonical ones) and against the other contributions of the same mean (three or
+  more), after a warm-up against the fragment's recent accepted norms;
 - the halt (`halt_check`, `RunHalted`): a canonical model that is no longer finite,
   or a fragment whose every contribution has been rejected for several rounds, stops
   the aggregator instead of letting a run that no longer trains look finished.
@@ -45,20 +45,22 @@ class Trust:
     """The checks of one aggregator (or shard 0 of a sharded one)."""
 
     def __init__(self, config: SyncConfig, roster: Roster, *,
-                 send_step: Callable[[int, int], int], theta_norms: list[float],
-                 norms_of: Callable[[int, int], list[float]],
+                 send_step: Callable[[int, int], int], theta_norm: Callable[[int], float],
+                 fragments: int, norms_of: Callable[[int, int], list[float]],
                  record: Callable[[int, int, str, str], None], name: str):
         """``send_step(p, r)``: the step round ``r`` of ``p`` is sent at;
-        ``theta_norms``: the norm of each fragment's initial parameters;
+        ``theta_norm(p)``: the norm of fragment ``p``'s parameters to compare with (the
+        larger of its initial and its current canonical ones: an outer gradient is a
+        fraction of the parameters it moves, and they grow in training);
         ``norms_of(p, k)``: the accepted norms of a reduced round (from its commit, so
         a restarted aggregator decides the same); ``record(p, k, worker, reason)``:
         records a rejection in the store."""
         self.config, self.roster, self.name = config, roster, name
-        self.send_step, self.theta_norms = send_step, theta_norms
+        self.send_step, self.theta_norm = send_step, theta_norm
         self.norms_of, self.record = norms_of, record
         #: (fragment, worker) -> the send step of its newest accepted claim
         self.sent_at: dict[tuple[int, str], int] = {}
-        self.all_rejected = [0] * len(theta_norms)
+        self.all_rejected = [0] * fragments
 
     def claim(self, p: int, k: int, w: str, tokens: int) -> None:
         """A contribution's tokens are its weight in the mean: more than its member
@@ -78,20 +80,20 @@ class Trust:
 
     def guard(self, p: int, r: int, worker: str, norm: float) -> None:
         """The norm guard on one contribution: from round 0 above ``norm_guard_params``
-        times the norm of the fragment's initial parameters (an honest outer gradient
-        is a small fraction of it); after ``norm_guard_warmup`` rounds also above
+        times the norm of the fragment's parameters (an honest outer gradient is a
+        small fraction of it); after ``norm_guard_warmup`` rounds also above
         ``norm_guard`` times the median of the accepted norms of the last
         ``norm_guard_window`` rounds. ``norm_guard`` 0 turns every rule off."""
         cfg = self.config
         if not cfg.norm_guard:
             return
         what = f"delta of worker {worker} for fragment {p} round {r}: norm {norm:.4g}"
-        theta = self.theta_norms[p]
+        theta = self.theta_norm(p) if cfg.norm_guard_params else 0.0
         if cfg.norm_guard_params and not norm <= cfg.norm_guard_params * theta:
             raise OutsizedContribution(
                 f"{what} is above the norm guard {cfg.norm_guard_params * theta:.4g} "
-                f"({cfg.norm_guard_params:g} x the norm of the fragment's initial "
-                f"parameters, {theta:.4g})")
+                f"({cfg.norm_guard_params:g} x the norm of the fragment's parameters, "
+                f"{theta:.4g})")
         if r < cfg.norm_guard_warmup:
             return
         history = [n for k in range(max(0, r - cfg.norm_guard_window), r)

@@ -289,9 +289,11 @@ def test_two_joiners_race_for_one_name(where, data_url, tmp_path):
 # -- 3. a lease that lapses while its holder is only slow --------------------------------
 
 def test_a_lease_lapses_while_its_holder_is_stopped(where, data_url, tmp_path):
-    """region-b is SIGSTOPped for 3 leases (6 s) mid-run, then SIGCONT: the rounds
-    reduce without it meanwhile; what it sends when it wakes is applied late once,
-    dropped as stale, or never sent (it heals); nothing is applied twice. On S3 the
+    """region-b is SIGSTOPped for 4 leases (8 s) mid-run, then SIGCONT: the rounds
+    reduce without it meanwhile, once its lease lapses (at most one lease after its
+    last progress, the first round that misses it waits for it: it was coming); what
+    it sends when it wakes is applied late once, dropped, or never sent (it heals);
+    nothing is applied twice. On S3 the
     lease is read from status objects and the late send is a conditional PUT: moto
     only (``where``), seaweedfs would double the time and test the same requests."""
     new_run(where, data_url, "sync.max_staleness=2", "sync.lease_s=2")  # 64 steps: the
@@ -304,7 +306,7 @@ def test_a_lease_lapses_while_its_holder_is_stopped(where, data_url, tmp_path):
         victim = jobs.jobs["region-b"].proc
         os.killpg(victim.pid, signal.SIGSTOP)
         stopped_at = step_of(store, "region-a")
-        time.sleep(6.0)
+        time.sleep(8.0)
         os.killpg(victim.pid, signal.SIGCONT)
         assert step_of(store, "region-a") > stopped_at + 4, "region-a waited for region-b"
         jobs.wait()

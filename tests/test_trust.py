@@ -114,7 +114,7 @@ def test_the_norm_guard_rejects_a_huge_contribution():
 
 def test_the_norm_guard_rejects_a_huge_contribution_in_round_zero():
     """No history yet: one value of 1e30 in w1's first contribution is far above
-    norm_guard_params (20) times the norm of the fragment's initial parameters, so
+    norm_guard_params (20) times the norm of the fragment's parameters, so
     it is rejected from round 0 (it used to be applied, and the model became 1e26)."""
     _, ex = make_run(BLOCKING, steps=4)
     agg = Aggregator(open_exchange(ex.store))
@@ -125,7 +125,7 @@ def test_the_norm_guard_rejects_a_huge_contribution_in_round_zero():
         ex.publish_delta(0, 0, w, x, tokens=10)
     assert agg.poll_once()
     reason = ex.rejections(0, 0)["w1"]
-    assert "initial parameters" in reason and reason.startswith("OutsizedContribution")
+    assert "the fragment's parameters" in reason and reason.startswith("OutsizedContribution")
     mean, commit = ex.fetch_mean(0, 0)
     assert commit["weights"] == {"w0": 1.0}
     assert float(agg.canonical(0).abs().max()) < 10.0
@@ -441,7 +441,7 @@ def test_the_audit_counts_a_late_contribution_as_late():
     check that needs no slow elastic run."""
     from diloco.audit import audit  # noqa: PLC0415
 
-    _, ex = make_run(BLOCKING.model_copy(update={"grace_s": 0.0}), steps=4)
+    _, ex = make_run(BLOCKING.model_copy(update={"grace_s": 0.0, "late": "fold"}), steps=4)
     agg = Aggregator(open_exchange(ex.store),
                      hold_back=lambda p, r, w: (r, w) == (0, "w1"))
     for r in range(2):
@@ -512,3 +512,24 @@ def test_a_worker_does_not_step_on_a_round_whose_every_contribution_was_rejected
         assert torch.equal(params4, params6) and torch.equal(momentum4, momentum6)
         assert not torch.equal(outer[w][8][0], params6)  # round 3 steps again
         assert torch.equal(outer[w][8][0], made[0].canonical(0))
+
+
+def test_a_late_contribution_is_dropped_by_default():
+    """``late: drop`` (the default, measured best): w1's round 0, kept out of its round,
+    is not folded into round 1's mean; it is recorded dropped (reason ``late``), and
+    the audit counts it dropped, not lost."""
+    from diloco.audit import audit  # noqa: PLC0415
+
+    _, ex = make_run(BLOCKING.model_copy(update={"grace_s": 0.0}), steps=4)
+    assert ex.manifest.sync.get("late", "drop") == "drop"
+    agg = Aggregator(open_exchange(ex.store),
+                     hold_back=lambda p, r, w: (r, w) == (0, "w1"))
+    for r in range(2):
+        for w in ("w0", "w1"):
+            ex.publish_delta(0, r, w, vec(ex, 0.1), tokens=10)
+        assert agg.poll_once()
+    _, commit = ex.fetch_mean(0, 1)
+    assert sorted(commit["weights"]) == ["w0", "w1"]
+    assert commit["dropped"] == [{"worker": "w1", "round": 0, "reason": "late"}]
+    report = audit(ex)
+    assert (report["applied"], report["applied_late"], report["dropped_stale"]) == (3, 0, 1)
