@@ -218,6 +218,9 @@ def check_tiny_run(client: MlflowClient, run_url: str, store: ObjectStore) -> di
     assert int(params["model.parameters"]) > 0
     assert len(params) > 40  # the whole resolved config
 
+    # the UI opens the experiment on its model-training view, not the GenAI overview
+    experiment = client.get_experiment(info["experiment_id"])
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     children = client.search_runs(
         [info["experiment_id"]],
         filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")

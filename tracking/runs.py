@@ -78,6 +78,11 @@ def is_permanent(exc: BaseException) -> bool:
     return isinstance(code, str) and code in PERMANENT_CODES
 
 
+#: without it MLflow's UI opens an experiment on its GenAI overview, empty for us; this
+#: value selects the model-training view
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
 def create_experiment(client: Any, name: str, uri: str) -> str:
     """Create experiment ``name``; in the embedded SQLite store in the working
     directory, with the relative artifact location ``mlartifacts`` (see
@@ -86,7 +91,8 @@ def create_experiment(client: Any, name: str, uri: str) -> str:
     right after. Every run created after it gets ``mlartifacts/<run id>/artifacts``,
     which MLflow (``mlflow ui``, the client) resolves against its working directory:
     the checkout, wherever it has moved."""
-    exp_id = client.create_experiment(name, artifact_location=artifact_location(uri))
+    exp_id = client.create_experiment(name, artifact_location=artifact_location(uri),
+                                      tags=dict([EXPERIMENT_KIND]))
     db = relative_artifacts_db(uri)
     if db is not None:
         with contextlib.closing(sqlite3.connect(db)) as con, con:
@@ -197,6 +203,8 @@ class RunLinks:
         if found is not None:
             if found.lifecycle_stage == "deleted":
                 client.restore_experiment(found.experiment_id)
+            if found.tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:  # an older one
+                client.set_experiment_tag(found.experiment_id, *EXPERIMENT_KIND)
             make_relative(self.uri or "", found.experiment_id, found.artifact_location)
             return found.experiment_id
         try:
