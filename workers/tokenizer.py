@@ -8,8 +8,8 @@ Two kinds, chosen by a short spec string that `load_tokenizer` understands and t
 - ``"ids:N"``: `IdsTokenizer`, for pre-tokenized shards without a tokenizer file:
   a vocabulary of N ids and no text (it cannot encode or decode).
 - ``"path/to/tokenizer.json"``: `HFTokenizer`, a Hugging Face ``tokenizers`` file
-  on local disk. The ``tokenizers`` package is not a project dependency; it is
-  imported only when such a tokenizer is loaded.
+  on local disk. The ``tokenizers`` package (a dependency of the project) is
+  imported only when such a tokenizer is loaded: the byte tokenizer needs none.
 
 End of document: no separator token is added, by either tokenizer. A dataset keeps
 every file's token range in its offsets, so document boundaries are never lost, and
@@ -84,7 +84,8 @@ class HFTokenizer:
     """A Hugging Face ``tokenizers`` JSON file (e.g. a trained BPE) on local disk.
 
     ``encode`` adds no special tokens (no BOS/EOS), like `ByteTokenizer`.
-    Needs the ``tokenizers`` package, which the project does not install.
+    Needs the ``tokenizers`` package (a project dependency; a minimal install
+    without it gets the one-line error below).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -96,8 +97,8 @@ class HFTokenizer:
         except ImportError as exc:
             raise ImportError(
                 f"the tokenizer {self.path!r} is a Hugging Face tokenizers file, which needs "
-                "the 'tokenizers' package; it is not a dependency of this project: install "
-                "it with `python -m pip install tokenizers`, or use the 'byte' tokenizer"
+                "the 'tokenizers' package, missing from this environment: install it with "
+                "`python -m pip install tokenizers`, or use the 'byte' tokenizer"
             ) from exc
         try:
             self._tok: Any = _HFTokenizer.from_file(self.path)
