@@ -173,11 +173,19 @@ def test_auto_overlap_hides_a_slow_exchange_that_tau_1_waits_for():
         assert min(measured) < 5, tuned.auto.taus  # sized to the link, not the ceiling
         assert tuned.overlaps == tuned.auto.current(2)
         assert fixed.stats.rounds_merged == tuned.stats.rounds_merged
-        # steps 37..72: six merges, each waiting ~0.05 s at tau = 1
+        # steps 37..72: six merges, each waiting ~0.05 s at tau = 1; with auto at most
+        # one of them waits (a loaded machine can delay one mean past its tau)
+        stalled_fixed, stalled_tuned = _stalled(waited[(1, w)]), _stalled(waited[(0, w)])
+        assert len(stalled_fixed) >= 4, (stalled_fixed, fixed.stats.waits)
+        assert len(stalled_tuned) <= 1, (stalled_tuned, tuned.stats.waits, tuned.auto.taus)
         late_fixed = waited[(1, w)][72] - waited[(1, w)][36]
         late_tuned = waited[(0, w)][72] - waited[(0, w)][36]
-        assert late_fixed > 0.15, fixed.stats.waits
-        assert late_tuned < 0.2 * late_fixed, (tuned.stats.waits, tuned.auto.taus)
+        assert late_tuned < 0.5 * late_fixed, (tuned.stats.waits, tuned.auto.taus)
+
+
+def _stalled(waited: dict[int, float], first: int = 37, last: int = 72) -> list[int]:
+    """The steps in first..last whose merge waited more than 0.02 s for its mean."""
+    return [s for s in range(first, last + 1) if waited[s] - waited[s - 1] > 0.02]
 
 
 def test_workers_with_different_links_agree_on_the_largest_proposal():

@@ -154,8 +154,9 @@ class WorkerLoop:
         self.worker = worker
         self.sync: Synchronizer | None = None
         self.step, self.tokens, self.from_step = 0, 0, 0
-        #: seconds of the recent steps, whole (a merge that waited included): their
-        #: median, the usual step, is what the aggregator compares members by
+        #: seconds of the recent steps, without their exchange (a merge's wait for a
+        #: mean is the others' pace, not this worker's): their median, the usual step,
+        #: is what the aggregator compares members by
         self.pace: deque[float] = deque(maxlen=PACE_STEPS)
         self.warm_from: int | None = None
         self.metrics = metrics or (lambda m: None)
@@ -358,12 +359,12 @@ class WorkerLoop:
         if elastic.leaving(self):
             return self._leave(start, losses)
         halt = False  # an island stops together: the ranks decide after every step
-        began = None
+        began, synced = None, 0.0
         while self.step < total:
-            now = time.perf_counter()  # the step before, whole: logging and waits too
+            now = time.perf_counter()  # the step before, but its exchange (its waits)
             if began is not None:
-                self.pace.append(now - began)
-            began = now
+                self.pace.append(now - began - synced)
+            began, synced = now, 0.0
             if halt or (self.group.size == 1 and self.stop.is_set()):
                 losses.flush()
                 self.save()
@@ -376,6 +377,7 @@ class WorkerLoop:
                 group["lr"] = lr
             loss_sum = inner_step(self.model, self.opt, self._batch, accum, cfg.optim.grad_clip,
                                   self.device, between=self._island_average)
+            sync_from = time.perf_counter()
             merged = self.island.before_sync(self.schedule, step, self.sync) if island > 1 else []
             abandoned = None
             if self.sync is not None:
@@ -390,6 +392,7 @@ class WorkerLoop:
                     if self.group.size == 1:
                         raise
                     abandoned = exc
+            synced = time.perf_counter() - sync_from
             halt = self.island.decide(self.stop, abandoned)
             self.step = step
             self.tokens += tokens_per_step
@@ -463,9 +466,10 @@ class WorkerLoop:
         )
 
     def usual_step_s(self) -> float | None:
-        """The median of the recent steps' seconds (None before ``PACE_STEPS // 4``):
-        a merge that waits is one step in H/P, so the median is the step itself."""
-        if len(self.pace) < PACE_STEPS // 4:
+        """The median of the recent steps' seconds, their exchange left out (None
+        before ``PACE_STEPS // 2`` steps: a straggler is judged over many steps, not a
+        few noisy ones)."""
+        if len(self.pace) < PACE_STEPS // 2:
             return None
         return round(statistics.median(self.pace), 4)
 
