@@ -299,7 +299,7 @@ def _ts(s: str) -> float:
 def applied_tokens(ex) -> tuple[list[list[tuple[int, float, float, dict]]], float]:
     """Per fragment, per round: (round, tokens applied by its mean, mean created, commit);
     and the last mean's time."""
-    from diloco.gate import parse_key  # noqa: PLC0415
+    from storage.exchange import contribution_of  # noqa: PLC0415
 
     out, last = [], 0.0
     for p, rounds in enumerate(ex.manifest.rounds):
@@ -310,7 +310,7 @@ def applied_tokens(ex) -> tuple[list[list[tuple[int, float, float, dict]]], floa
                 continue
             tok = 0
             for key in c.get("weights", {}):
-                w, k = parse_key(key, r)
+                w, k = contribution_of(key, r)
                 tok += int(ex.delta_commit(p, k, w)["tokens"])
             rows.append((r, float(tok), _ts(c["created"]), c))
             last = max(last, _ts(c["created"]))

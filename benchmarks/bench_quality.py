@@ -52,6 +52,7 @@ from benchmarks.report import (
     stop_on_sigterm,
     timed,
 )
+from storage.traffic import human_bytes
 
 # (outer lr, outer momentum) per mode. The defaults of diloco/config.py are in it.
 SWEEP: dict[str, list[tuple[float, float]]] = {
@@ -183,9 +184,7 @@ def _gap(g: float | None) -> str:
 
 
 def _bytes(b: float | None) -> str:
-    if b is None:
-        return ""
-    return f"{b / 1e6:.3f} MB" if b >= 1e5 else f"{b / 1e3:.2f} kB"
+    return "" if b is None else human_bytes(b, 2)
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ from rich.table import Table
 from cli.console import fail, user_errors
 from diloco import arithmetic as ar
 from diloco.config import SyncConfig
+from storage.traffic import human_bytes
 
 DEFAULT_PROVIDERS = ["aws", "gcp", "azure", "cloudflare"]
 
@@ -74,13 +75,6 @@ def rows(s: ar.Setup, mode: str, contenders: bool, provider: str, crossing: str,
     return out
 
 
-def _bytes(x: float) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if x >= size:
-            return f"{x / size:,.2f} {unit}"
-    return f"{x:,.0f} B"
-
-
 def table(provider: str, crossing: str, found: list[dict[str, Any]]) -> Table:
     t = Table(title=f"store at {provider} (workers across: {crossing})", header_style="bold")
     heads = ["contender", "up/round/worker", "down/round/worker", "run, all parties",
@@ -89,8 +83,8 @@ def table(provider: str, crossing: str, found: list[dict[str, Any]]) -> Table:
     for i, h in enumerate(heads):
         t.add_column(h, justify="left" if i == 0 else "right", no_wrap=True)
     for r in found:
-        t.add_row(r["contender"], _bytes(r["up_per_round"]), _bytes(r["down_per_round"]),
-                  _bytes(r["run_bytes"]), f"{r['requests']:,}", f"{r['egress_up_usd']:,.2f}",
+        t.add_row(r["contender"], human_bytes(r["up_per_round"], 2),
+                  human_bytes(r["down_per_round"], 2), human_bytes(r["run_bytes"], 2), f"{r['requests']:,}", f"{r['egress_up_usd']:,.2f}",
                   f"{r['egress_down_usd']:,.2f}", f"{r['requests_usd']:,.2f}",
                   f"{r['total_usd']:,.2f}", f"{r['mbit_s']:,.1f}", f"{r['less_than_dp']:,.0f}")
     return t

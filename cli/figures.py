@@ -17,10 +17,10 @@ from rich.table import Table
 from cli.console import runnable
 from flows.shard_status import shard_state, shard_statuses, silent_for
 from storage.exchange import Exchange
+from storage.traffic import human_bytes
 from workers.gc import Usage
 from workers.report import (
     cost_line,
-    human_bytes,
     human_seconds,
     participation,
     participation_text,

@@ -11,8 +11,8 @@ from rich.table import Table
 
 from cli.console import console, fail, shown
 from cli.train import open_named_run
+from storage.traffic import human_bytes
 from workers import gc as collecting
-from workers.report import human_bytes
 
 
 def _contributions(value: str | None) -> int | str | None:

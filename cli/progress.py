@@ -27,10 +27,8 @@ from rich.text import Text
 
 from cli.figures import loss_cell, state_cell
 from storage.exchange import Exchange
-from workers.report import (
-    human_bytes,
-    snapshot,
-)
+from storage.traffic import human_bytes
+from workers.report import snapshot
 
 #: The widest and narrowest progress bar (the bar gives way to the text).
 BAR_MAX, BAR_MIN = 32, 4

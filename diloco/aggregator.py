@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from diloco.config import SyncConfig
-from diloco.gate import Gate, Inbox, parse_key
+from diloco.gate import Gate, Inbox
 from diloco.membership import Roster
 from diloco.outer import OuterState
 from diloco.pacing import Pacer
@@ -42,7 +42,7 @@ from storage import layout
 from storage.arrays import Coded
 from storage.checkpoints import read_checkpoint, write_checkpoint
 from storage.errors import BAD_CONTRIBUTION, ObjectMissing
-from storage.exchange import Exchange, weighted_sum
+from storage.exchange import Exchange, contribution_of, weighted_sum
 from storage.retry import outlast
 
 log = logging.getLogger(__name__)
@@ -350,7 +350,7 @@ class Aggregator:
         scaled = dict(tokens)
         if self.config.late == "decay":
             for key in tokens:
-                s = r - parse_key(key, r)[1]
+                s = r - contribution_of(key, r)[1]
                 scaled[key] = tokens[key] * LATE_DECAY ** s
         total = sum(scaled.values())
         return {w: (scaled[w] / total if total > 0 else 1.0 / len(scaled))
@@ -454,7 +454,7 @@ class Aggregator:
             return mean, mean
         values = {}
         for key in sorted(weights):  # a contribution the committed mean used must be readable
-            w, k = parse_key(key, r)
+            w, k = contribution_of(key, r)
             values[key] = self.exchange.hold_delta(p, k, w)[0]
         return mean, self._with_residual(p, self._mean(p, values, weights))
 

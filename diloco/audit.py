@@ -23,9 +23,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from diloco.gate import parse_key
 from diloco.membership import Roster
-from storage.exchange import Exchange
+from storage.exchange import Exchange, contribution_of
 
 OUTCOMES = ("applied", "applied_late", "dropped_stale", "rejected")
 
@@ -50,10 +49,10 @@ def audit(exchange: Exchange) -> dict[str, Any]:
                 continue
             newest = r
             for key in commit.get("weights", {}):
-                w, k = parse_key(key, r)
+                w, k = contribution_of(key, r)
                 fates[(p, k, w)].append("applied" if k == r else "applied_late")
             for key in commit.get("rejected", {}):
-                w, k = parse_key(key, r)
+                w, k = contribution_of(key, r)
                 fates[(p, k, w)].append("rejected")
             for entry in commit.get("dropped", []):
                 fates[(p, int(entry["round"]), entry["worker"])].append("dropped_stale")

@@ -66,12 +66,6 @@ def late_key(worker: str, round: int) -> str:
     return f"{worker}@{round}"
 
 
-def parse_key(key: str, round: int) -> tuple[str, int]:
-    """(worker, round) of a weight key: ``w`` is round ``round``'s own, ``w@k`` late."""
-    worker, _, k = key.partition("@")
-    return worker, int(k) if k else round
-
-
 class Gate:
     """The aggregator's waiting policy and late-contribution bookkeeping."""
 

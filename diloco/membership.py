@@ -35,7 +35,6 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -73,9 +72,6 @@ class MembershipError(ValueError):
     """A join or leave that cannot be done (the message says why, in one line)."""
 
 
-def _now() -> str:
-    return datetime.now(UTC).isoformat()
-
 
 def read_json(store: ObjectStore, key: str) -> dict[str, Any] | None:
     """The JSON object at ``key``, or None when it is absent or unreadable."""
@@ -103,7 +99,7 @@ def claim_name(store: ObjectStore, manifest: RunManifest, name: str, claim: str,
             f"worker name {name!r} is taken: it is one of run {manifest.run_id!r}'s "
             f"workers ({', '.join(manifest.workers)}); pick another --worker"
         )
-    body = {"name": name, "join": True, "claim": claim, "created": _now(), **extra}
+    body = {"name": name, "join": True, "claim": claim, "created": layout.utc_now(), **extra}
     if store.put_if_absent(layout.member(name), json.dumps(body).encode()):
         return True
     existing = read_json(store, layout.member(name)) or {}
@@ -144,7 +140,7 @@ def run_finished(store: ObjectStore, manifest: RunManifest) -> bool:
 
 def request_leave(store: ObjectStore, name: str, reason: str = "diloco leave") -> bool:
     """Ask worker ``name`` to leave; False when it was asked already."""
-    body = {"worker": name, "reason": reason, "created": _now()}
+    body = {"worker": name, "reason": reason, "created": layout.utc_now()}
     return store.put_if_absent(layout.leave_request(name), json.dumps(body).encode())
 
 
@@ -156,7 +152,7 @@ def record_left(store: ObjectStore, name: str, last_rounds: list[int], step: int
     """The worker's record that it left after ``last_rounds`` (per fragment; -1:
     none sent)."""
     body = {"worker": name, "last_rounds": list(last_rounds), "step": step,
-            "created": _now()}
+            "created": layout.utc_now()}
     store.put_if_absent(layout.left(name), json.dumps(body).encode())
 
 
@@ -292,9 +288,9 @@ class Roster:
         held = {x.slot for x in self.members.values() if x.slot is not None and not x.left}
         free = [s for s in range(self.slots) if s not in held]
         if free:
-            body: dict[str, Any] = {"worker": m.name, "slot": free[0], "created": _now()}
+            body: dict[str, Any] = {"worker": m.name, "slot": free[0], "created": layout.utc_now()}
         else:
-            body = {"worker": m.name, "created": _now(), "refused": (
+            body = {"worker": m.name, "created": layout.utc_now(), "refused": (
                 f"no free data slot: the run's {self.slots} slots (data.slots) are held by "
                 "members that have not left")}
         if not self.store.put_if_absent(layout.admission(m.name), json.dumps(body).encode()):
@@ -308,7 +304,7 @@ class Roster:
             self._event("admitted", m.name, slot=m.slot)
 
     def _event(self, kind: str, name: str, **fields: Any) -> None:
-        self.events.append({"event": kind, "worker": name, "at": _now(), **fields})
+        self.events.append({"event": kind, "worker": name, "at": layout.utc_now(), **fields})
         log.info("member %s: %s %s", name, kind, fields or "")
 
     # -- decisions ------------------------------------------------------------------

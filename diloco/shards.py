@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from diloco.aggregator import Aggregator, RoundReport, restore_outer
-from diloco.gate import Inbox, parse_key
+from diloco.gate import Inbox
 from diloco.outer import OuterState
 from diloco.run import load_initial
 from storage import layout
@@ -46,7 +46,7 @@ from storage.errors import (
     OutsizedContribution,
     TransientStoreError,
 )
-from storage.exchange import Exchange, weighted_sum
+from storage.exchange import Exchange, contribution_of, weighted_sum
 from storage.shards import (
     assemble_checkpoint,
     assemble_mean,
@@ -268,7 +268,7 @@ class ShardAggregator(Aggregator):
         """This shard's slice of every contribution the decision counts."""
         out = {}
         for key in sorted(weights):
-            w, k = parse_key(key, r)
+            w, k = contribution_of(key, r)
             if inbox is not None and key in inbox.values:
                 out[key] = inbox.values[key]
             elif (p, k, w) in self._parts:

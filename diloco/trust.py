@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from diloco.config import SyncConfig
-from diloco.gate import Inbox, parse_key
+from diloco.gate import Inbox
 from diloco.membership import Roster
 from storage.errors import ImplausibleClaim, OutsizedContribution
+from storage.exchange import contribution_of
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class Trust:
             norm = inbox.norms[key]
             if norm <= limit:
                 continue
-            w, k = parse_key(key, r)
+            w, k = contribution_of(key, r)
             reason = (f"OutsizedContribution: delta of worker {w} for fragment {p} round {k}: "
                       f"norm {norm:.4g} is above the norm guard {limit:.4g} "
                       f"({cfg.norm_guard:g} x the median of the {len(inbox.values)} "

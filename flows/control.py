@@ -37,9 +37,6 @@ CANCEL_KEY = layout.CANCEL
 LAUNCHER_KEY = layout.LAUNCHER_RECORD
 
 
-def _now() -> str:
-    return datetime.now(UTC).isoformat()
-
 
 def _who() -> str:
     try:
@@ -73,7 +70,7 @@ def request_cancel(store: ObjectStore, reason: str = "") -> dict[str, Any]:
     existing = cancel_request(store)
     if existing is not None:
         return existing
-    body = {"requested": _now(), "by": _who(), "reason": reason or "cancelled by request"}
+    body = {"requested": layout.utc_now(), "by": _who(), "reason": reason or "cancelled by request"}
     store.put(CANCEL_KEY, json.dumps(body).encode())
     return body
 
@@ -89,7 +86,7 @@ def clear_cancel(store: ObjectStore) -> dict[str, Any] | None:
     if body is None:
         return None
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
-    store.put(layout.cancelled(stamp), json.dumps({**body, "cleared": _now()}).encode())
+    store.put(layout.cancelled(stamp), json.dumps({**body, "cleared": layout.utc_now()}).encode())
     store.delete(CANCEL_KEY)
     return body
 
@@ -99,7 +96,7 @@ def clear_cancel(store: ObjectStore) -> dict[str, Any] | None:
 
 def write_launcher(store: ObjectStore, record: dict[str, Any]) -> None:
     """Record how the jobs of the run were launched (overwritten on each launch)."""
-    body = {"updated": _now(), "host": socket.gethostname(), "pid": os.getpid(), **record}
+    body = {"updated": layout.utc_now(), "host": socket.gethostname(), "pid": os.getpid(), **record}
     try:
         store.put(LAUNCHER_KEY, json.dumps(body, indent=1).encode())
     except StoreError as exc:  # the record helps cancel; losing it never stops training

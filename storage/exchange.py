@@ -23,7 +23,6 @@ import logging
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -116,9 +115,6 @@ def contribution_of(key: str, round: int) -> tuple[str, int]:
     worker, _, k = key.partition("@")
     return worker, (int(k) if k else round)
 
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat()
 
 
 def _nonce() -> str:
@@ -242,7 +238,7 @@ class Exchange:
             "codec": self._codec_record(self.up),
             "payload": prepared.payload,
             "objects": prepared.record,
-            "created": _now(),
+            "created": layout.utc_now(),
             **(extra or {}),
         }
         if self.store.put_if_absent(commit_key, json.dumps(commit, sort_keys=True).encode()):
@@ -427,7 +423,7 @@ class Exchange:
             "writer": writer,
             "weights": {k: float(v) for k, v in sorted(weights.items())},
             "numel": int(x.size),
-            "created": _now(),
+            "created": layout.utc_now(),
         }
         if self.from_peers:  # x is weighted_sum of the named contributions: no payload
             decoded = x
@@ -449,7 +445,7 @@ class Exchange:
     def record_rejection(self, fragment: int, round: int, worker: str, reason: str) -> None:
         """Leave a note that a contribution was rejected (first note wins)."""
         body = {"fragment": fragment, "round": round, "worker": worker,
-                "reason": reason, "created": _now()}
+                "reason": reason, "created": layout.utc_now()}
         self.store.put_if_absent(
             layout.rejected(fragment, round, worker), json.dumps(body).encode()
         )

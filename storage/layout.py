@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import cached_property
 
 MANIFEST = "run.json"
@@ -339,3 +340,9 @@ def declared(key: str) -> tuple[KeyPattern, str]:
 def owner(key: str) -> str:
     """The role that writes ``key`` (see `declared`)."""
     return declared(key)[1]
+
+
+def utc_now() -> str:
+    """The ISO-8601 UTC time every JSON record of the layout carries (``created``,
+    ``updated``): one clock format, so records written by different roles sort alike."""
+    return datetime.now(UTC).isoformat()

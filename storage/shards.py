@@ -26,7 +26,6 @@ import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -80,9 +79,6 @@ def span(exchange: Exchange, fragment: int, shard: int) -> Span:
     return Span(shard, range(c0, c1), size, min(n, c0 * size), min(n, c1 * size))
 
 
-def _now() -> str:
-    return datetime.now(UTC).isoformat()
-
 
 def _json(exchange: Exchange, key: str) -> dict[str, Any] | None:
     try:
@@ -124,7 +120,7 @@ def write_check(exchange: Exchange, fragment: int, round: int, worker: str, shar
     """Shard ``shard``'s verdict on its chunks of a contribution (first one wins)."""
     _create(exchange, layout.shard_check(fragment, round, shard, worker),
             {"fragment": fragment, "round": round, "worker": worker, "shard": shard,
-             "sumsq": sumsq, "reason": reason, "created": _now()})
+             "sumsq": sumsq, "reason": reason, "created": layout.utc_now()})
 
 
 def read_check(exchange: Exchange, fragment: int, round: int, worker: str,
@@ -142,7 +138,7 @@ def publish_decision(exchange: Exchange, fragment: int, round: int, writer: str,
                      body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """Commit the decision once: (the decision in force, whether this one is it)."""
     record = {"kind": "decision", "run": exchange.manifest.run_id, "fragment": fragment,
-              "round": round, "writer": writer, "created": _now(), **body}
+              "round": round, "writer": writer, "created": layout.utc_now(), **body}
     if _create(exchange, layout.decision(fragment, round), record):
         return record, True
     got = decision(exchange, fragment, round)
@@ -162,7 +158,7 @@ def publish_part(exchange: Exchange, fragment: int, round: int, part: Span, writ
         return (x if existing is True else existing), False
     record = {"kind": "mean-part", "run": exchange.manifest.run_id, "fragment": fragment,
               "round": round, "shard": part.shard, "writer": writer, "lo": part.lo,
-              "hi": part.hi, "created": _now()}
+              "hi": part.hi, "created": layout.utc_now()}
     decoded = x
     if not exchange.from_peers:
         payload = layout.mean_payload(fragment, round, writer, uuid.uuid4().hex[:16])
@@ -213,7 +209,7 @@ def assemble_mean(exchange: Exchange, fragment: int, round: int, writer: str) ->
     if body is None:  # pragma: no cover - parts follow the decision
         return False
     body = {**body, "kind": "mean", "writer": writer, "shards": k,
-            "numel": exchange.manifest.numel(fragment), "created": _now(),
+            "numel": exchange.manifest.numel(fragment), "created": layout.utc_now(),
             "parts": [layout.mean_part(fragment, round, s) for s in range(k)]}
     if exchange.from_peers:
         body["mean_from"] = "peers"

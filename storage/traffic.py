@@ -24,6 +24,7 @@ from several threads at once.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -158,3 +159,14 @@ class TrafficCounter:
                 "objects_up": dict(sorted(self._objects_up.items())),
                 "objects_down": dict(sorted(self._objects_down.items())),
             }
+
+
+def human_bytes(n: float | None, digits: int = 1) -> str:
+    """``12.3 MB``: decimal units, as links and cloud bills count bytes; ``-`` for an
+    unknown (None or NaN) amount, so a table of figures keeps its columns."""
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "-"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.{digits}f} {unit}"
+    return f"{n:,.0f} B"

@@ -16,7 +16,7 @@ from storage.billing import (
     price_table,
     request_classes,
 )
-from storage.traffic import TrafficCounter
+from storage.traffic import TrafficCounter, human_bytes
 
 P = DEFAULT_PRICES
 
@@ -257,3 +257,13 @@ def test_a_run_with_no_prices_says_how_to_price_it():
                       "other": {"read": "-", "source": "y"}}
     text = " ".join(cost_line(cost))
     assert "aws list prices read 2026-11-25" in text and "other list prices" not in text
+
+
+def test_byte_amounts_read_in_decimal_units_and_an_unknown_one_keeps_its_column():
+    assert human_bytes(999) == "999 B"
+    assert human_bytes(1_000) == "1.0 kB"
+    assert human_bytes(12_345_678) == "12.3 MB"
+    assert human_bytes(12_345_678, 2) == "12.35 MB"
+    assert human_bytes(-2.5e9) == "-2.5 GB"  # a saving reads as one
+    assert human_bytes(3.2e15) == "3,200.0 TB"
+    assert human_bytes(None) == human_bytes(float("nan")) == "-"

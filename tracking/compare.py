@@ -43,8 +43,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from storage.traffic import human_bytes
 from tracking.curves import RunCurves, load_run_curves
-from tracking.plots import fmt_bytes, plot_overlay
+from tracking.plots import plot_overlay
 from tracking.runs import create_experiment, log_artifacts
 from tracking.settings import (
     default_tracking_uri,
@@ -241,7 +242,7 @@ def _fmt(name: str, value: Any) -> str:
     if name == "tokens":
         return f"{value:,.0f}"
     if name in ("bytes_exchanged", "bytes_aggregator", "bytes_checkpoints"):
-        return fmt_bytes(value)
+        return human_bytes(value, 2)
     if name == "reduction_vs_dp":
         return f"{value:,.1f}x"
     if name in ("wall_s", "wait_s_per_worker"):

@@ -7,7 +7,6 @@ bytes are the ring all-reduce formula's (see `tracking.curves`).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -233,11 +232,3 @@ def plot_overlay(runs: list[RunCurves], out_dir: Path) -> list[Path]:
         written.append(out_dir / fname)
     return written
 
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None or (isinstance(n, float) and math.isnan(n)):
-        return "-"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"

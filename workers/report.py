@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from storage import billing, layout
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
+from storage.traffic import human_bytes
 from workers.status import StatusBoard, read_all, read_status
 
 if TYPE_CHECKING:
@@ -275,16 +276,6 @@ def _percent(value: float | None) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return f"{100 * value:.0f}%"
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"  # pragma: no cover
 
 
 def human_seconds(s: float) -> str:

@@ -16,7 +16,6 @@ import socket
 import sys
 import threading
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 from diloco.membership import read_json
@@ -30,9 +29,6 @@ STATES = ("joining", "running", "finished", "left", "interrupted", "failed", "ca
 #: states whose status is renewed in the background: it is the member's lease
 RENEWED = ("joining", "running")
 
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat()
 
 
 class StatusBoard:
@@ -70,7 +66,7 @@ class StatusBoard:
         interpreter and the installed diloco-flows), so an audit of the run can
         tell a region's image from another's checkout."""
         body = {"name": self.name, "host": socket.gethostname(), "pid": os.getpid(),
-                "started": _now(), "python": sys.executable, "version": _version(), **extra}
+                "started": layout.utc_now(), "python": sys.executable, "version": _version(), **extra}
         try:
             self.store.put_if_absent(layout.member(self.name), json.dumps(body).encode())
         except StoreError as exc:  # pragma: no cover - best effort
@@ -84,7 +80,7 @@ class StatusBoard:
         if not force and now - self._last_write < min_interval:
             return
         self._last_write = now
-        record = {"name": self.name, "state": state, "updated": _now(), **fields}
+        record = {"name": self.name, "state": state, "updated": layout.utc_now(), **fields}
         self._last = record
         body = json.dumps(record)
         if self.background and state in RENEWED:
@@ -119,7 +115,7 @@ class StatusBoard:
                 if (body is None and self.renew_s is not None and last is not None
                         and last.get("state") in RENEWED
                         and time.monotonic() - self._last_put >= self.renew_s):
-                    last = {**last, "updated": _now()}  # a renewal of the lease
+                    last = {**last, "updated": layout.utc_now()}  # a renewal of the lease
                     body = json.dumps(last).encode()
                 if body is not None:
                     self._put(body)
