@@ -6,7 +6,7 @@ uvicorn ... prefect.server.api.server:create_app`` as a plain child process) and
 stops it from an ``atexit`` hook. A launcher killed with SIGKILL runs no hook, so
 the server ran on, orphaned. `tie_temporary_server` starts that same server
 earlier, from the main thread, with the kernel's parent-death signal set in the
-child (Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, see `_BOOT`): whatever ends
+child (Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, see storage/tied.py): whatever ends
 this process, the server gets SIGTERM. It is registered as Prefect's default
 instance (as Prefect's own test utilities do), so every client of this process
 uses it, and Prefect's ``atexit`` stop still runs on a normal exit.
@@ -25,10 +25,8 @@ command's one-line error names that file.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -36,11 +34,10 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from storage.tied import death_signal_preexec, tied
 from tracking.settings import unanswered
 
 log = logging.getLogger(__name__)
-
-PR_SET_PDEATHSIG = 1
 
 #: The server log is set aside (``.1``) when it reaches this size at a start.
 SERVER_LOG_MAX_BYTES = 4 << 20
@@ -71,38 +68,12 @@ def _open_server_log(parent: int) -> IO[bytes]:
     return out
 
 
-#: The server's command, ``python -m uvicorn ARGS``, becomes ``python -c BOOT PID
-#: ARGS``: the new process asks for the parent-death signal itself, exits if its
-#: launcher (PID) died before that, then runs uvicorn as ``-m`` would. No Python code
-#: runs between fork and exec (a ``preexec_fn`` would, which is unsafe while other
-#: threads run: the live progress display has one).
-_BOOT = (
-    "import ctypes, os, runpy, signal, sys\n"
-    f"ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, signal.SIGTERM)\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    os._exit(1)\n"
-    "sys.argv = ['uvicorn', *sys.argv[2:]]\n"
-    "runpy.run_module('uvicorn', run_name='__main__', alter_sys=True)\n"
-)
-
-
-def _death_signal_preexec(parent: int):
-    """The fallback for a command of another shape: a ``preexec_fn`` doing the same
-    (libc is looked up here, before the fork: the child only calls it)."""
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return preexec
-
 
 class _WithDeathSignal:
     """The ``subprocess`` module as Prefect's server module sees it while it starts
     the server: `Popen` of a command that dies with this process and writes to the
-    server log, everything else unchanged."""
+    server log, everything else unchanged (the server's command, ``python -m uvicorn
+    ARGS``, is run `tied`)."""
 
     def __init__(self, parent: int):
         self._parent = parent
@@ -110,9 +81,9 @@ class _WithDeathSignal:
     def Popen(self, args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 - the module's name
         args = list(args)
         if args[1:3] == ["-m", "uvicorn"]:
-            args = [args[0], "-c", _BOOT, str(self._parent), *args[3:]]
+            args = tied(args, self._parent)
         else:
-            kwargs.setdefault("preexec_fn", _death_signal_preexec(self._parent))
+            kwargs.setdefault("preexec_fn", death_signal_preexec(self._parent))
         if kwargs.get("stdout") is None and kwargs.get("stderr") is None:
             with _open_server_log(self._parent) as out:  # the child keeps its own copy
                 kwargs.update(stdout=out, stderr=subprocess.STDOUT)

