@@ -362,7 +362,7 @@ def test_command_line(
 
 
 def test_module_entry_runs_the_prepare_command(two_files: list[Path], tmp_path: Path) -> None:
-    """``python -m workers.data prepare`` (the README's command) reaches `main`."""
+    """``python -m workers.data prepare`` (docs/worker.md's command) reaches `main`."""
     out = tmp_path / "ds"
     run = subprocess.run(
         [sys.executable, "-m", "workers.data", "prepare", str(two_files[0]), "--out", str(out)],

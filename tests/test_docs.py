@@ -1,11 +1,16 @@
 """The repository documents itself: no reference to documents outside it, every
-relative link of the README and docs/ reaches a file of the repository, and the key
-table of docs/design.md says what `storage.layout.KEYS` says."""
+relative link of the README and docs/ reaches a file of the repository, the key
+table of docs/design.md says what `storage.layout.KEYS` says, the README stays a
+front door that leads into docs/, and docs/ builds as a MkDocs site with no broken
+link, anchor or page left out of the navigation (``mkdocs build --strict``)."""
 
 from __future__ import annotations
 
+import html
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +93,59 @@ def test_the_key_table_of_the_design_page_is_layout_keys():
     declared = [(p.template, p.owner, p.what, p.prunes, p.collected) for p in layout.KEYS]
     assert documented == declared, (
         "docs/design.md's key table differs from storage/layout.py KEYS; update the table")
+
+
+def test_the_readme_is_a_front_door_into_the_docs():
+    """At most 300 lines: the pitch, the two commands, the command table, one
+    picture, one results table, and links into docs/ for everything else."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300, "README.md is a front door: move details to docs/"
+    for needed in ("make run", "make test", "## The `diloco` command", "## Architecture",
+                   "(docs/results.md)", "(docs/design.md)", "(docs/cli.md)"):
+        assert needed in text, f"README.md lost {needed!r}"
+    results = text.split("## Results", 1)[1].split("\n## ", 1)[0]
+    separators = [line for line in results.splitlines() if line.startswith("|---")]
+    assert len(separators) == 1, "the README keeps one headline results table"
+    rows = [line for line in results.splitlines() if line.startswith("| ") and "---" not in line]
+    assert all("`" in row.rsplit("|", 2)[-2] for row in rows[1:]), (
+        "every headline figure names the command that printed it")
+    linked = set(re.findall(r"\(docs/([a-z0-9-]+\.md)", text))
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"index.md"}
+    assert pages <= linked, f"README.md links to no {sorted(pages - linked)}"
+
+
+def test_the_guarantees_are_stated_on_the_design_page():
+    headings = _anchors(ROOT / "docs" / "design.md")
+    for anchor in ("guarantees", "what-a-malicious-or-broken-worker-can-and-cannot-do",
+                   "elastic-membership-join-leave-die-straggle"):
+        assert anchor in headings, f"docs/design.md has no section #{anchor}"
+
+
+#: What Python-Markdown leaves unparsed when a page is written for GitHub only (a list
+#: nested by 2 spaces, a list or table right under a paragraph): the markers stay text.
+_UNPARSED = re.compile(r"\n\s*(?:[-*+]|\d+\.) |\|---|\n\s*\||```")
+
+
+def test_the_docs_build_as_a_site_with_no_broken_link(tmp_path):
+    """mkdocs.yml turns every link to a missing page or anchor, and every page left
+    out of the nav, into a warning, and --strict fails on warnings; every list and
+    table of every page is rendered as one."""
+    site = tmp_path / "site"
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+                          "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    unparsed = []
+    for page in pages:
+        built = site / ("index.html" if page.stem == "index" else f"{page.stem}/index.html")
+        assert built.exists(), f"{page.name} was not built"
+        body = built.read_text(encoding="utf-8")
+        body = body[body.find("<article"):body.find("</article>")]
+        body = re.sub(r"<pre.*?</pre>|<code>.*?</code>", "", body, flags=re.S)
+        for block in re.findall(r"<(?:p|li)>(.*?)</(?:p|li)>", body, flags=re.S):
+            if _UNPARSED.search(block):
+                unparsed.append(f"{page.name}: {html.unescape(block[:120])!r}")
+    assert not unparsed, ("left as text by MkDocs (nest lists by 4 spaces; a blank line "
+                          "before a list or table):\n" + "\n".join(unparsed))

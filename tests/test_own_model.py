@@ -1,4 +1,4 @@
-"""The README's "Your own model and data", as a user runs it: a Hugging Face config
+"""docs/own-model.md, "Your own model and data", as a user runs it: a Hugging Face config
 (Qwen2-style: biases, grouped-query attention, untied head), a tokenizer file, and
 pre-tokenized .npy shards; `diloco run` with that config, `diloco export`, and
 transformers loads the export with our logits; `diloco sample` continues a prompt
@@ -84,7 +84,7 @@ def diloco(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.Compl
 
 
 def short_run() -> list[str]:
-    """The README's short run, minus its model and data (the user's own here)."""
+    """The suite's short run (`SHORT`), minus its model and data (the user's own here)."""
     args, out = list(SHORT), []
     while args:
         flag, value = args.pop(0), args.pop(0)
