@@ -20,12 +20,43 @@ The public API, usable from any PyTorch training loop::
     Aggregator(open_exchange("s3://bucket/runs/r1")).run()
 """
 
-from diloco.aggregator import Aggregator
-from diloco.config import SyncConfig
-from diloco.fragments import FragmentPlan, plan_fragments
-from diloco.replica import Synchronizer
-from diloco.run import load_canonical, new_run, open_exchange, plan_for
-from diloco.schedule import Schedule
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: The public names and the module of each, imported on first use: a submodule
+#: such as ``diloco.arithmetic`` (the ``diloco estimate`` command's) then loads
+#: without torch, which the names below need.
+_PUBLIC = {
+    "Aggregator": "diloco.aggregator",
+    "FragmentPlan": "diloco.fragments",
+    "Schedule": "diloco.schedule",
+    "SyncConfig": "diloco.config",
+    "Synchronizer": "diloco.replica",
+    "load_canonical": "diloco.run",
+    "new_run": "diloco.run",
+    "open_exchange": "diloco.run",
+    "plan_for": "diloco.run",
+    "plan_fragments": "diloco.fragments",
+}
+
+if TYPE_CHECKING:
+    from diloco.aggregator import Aggregator
+    from diloco.config import SyncConfig
+    from diloco.fragments import FragmentPlan, plan_fragments
+    from diloco.replica import Synchronizer
+    from diloco.run import load_canonical, new_run, open_exchange, plan_for
+    from diloco.schedule import Schedule
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'diloco' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Aggregator",
