@@ -36,16 +36,15 @@ import asyncio
 import errno
 import io
 import logging
-import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from botocore.exceptions import ClientError
 from fsspec.asyn import sync
+from tenacity import RetryCallState
 
-from storage.errors import TransientStoreError
-from storage.retry import RetryPolicy, is_transient
+from storage.retry import RetryPolicy, log_retry
 from storage.traffic import TrafficCounter
 
 log = logging.getLogger(__name__)
@@ -115,32 +114,31 @@ class Tally:
     name: str = ""
 
     async def retrying(self, op: str, what: str, fn: Callable[[int], Awaitable[T]]) -> T:
-        """``await fn(attempt)`` until it succeeds, retrying transient errors with
-        the store policy's attempts and backoff (`RetryPolicy.wait`'s equal jitter).
+        """``await fn(attempt)`` until it succeeds, retrying transient errors under
+        the store's `RetryPolicy` (its ``async_retrying``: the same attempts, equal
+        jitter backoff and `TransientStoreError` as every store operation).
 
-        Every failed attempt counts as an ``op`` request; the final failure is a
-        `TransientStoreError` raised with no exception chain, so that the store's
-        whole-object retry around it (which follows causes) does not start over."""
-        last: BaseException | None = None
-        for attempt in range(1, self.retry.attempts + 1):
-            try:
-                return await fn(attempt)
-            except Exception as exc:
-                self.traffic.record(op, self.tkey)
-                if not is_transient(exc):
+        Every failed attempt counts as an ``op`` request, every retry as a retry,
+        logged like the store's. The final failure is a `TransientStoreError` with
+        no exception chain, so that the store's whole-object retry around it (which
+        follows causes) does not start the object over."""
+        retrying = self.retry.async_retrying(
+            describe=lambda _exc: f"{what} of {self.url}",
+            before_sleep=lambda state: self._before_retry(op, what, state),
+            chain=False,
+        )
+        async for attempt in retrying:
+            with attempt:
+                try:
+                    return await fn(attempt.retry_state.attempt_number)
+                except Exception:
+                    self.traffic.record(op, self.tkey)
                     raise
-                last = exc
-            if attempt < self.retry.attempts:
-                self.traffic.record_retry(op, self.tkey)
-                cap = min(self.retry.max_delay, self.retry.base_delay * 2 ** (attempt - 1))
-                delay = cap / 2 + random.uniform(0, cap / 2)
-                log.warning("store %s: %s of %s failed (attempt %d of %d): %s: %s; "
-                            "retrying in %.2fs", self.name or "-", what, self.url, attempt,
-                            self.retry.attempts, type(last).__name__, last, delay)
-                await asyncio.sleep(delay)
-        raise TransientStoreError(
-            f"{what} of {self.url} failed after {self.retry.attempts} attempts; "
-            f"last error: {type(last).__name__}: {last}") from None
+        raise AssertionError("unreachable")  # pragma: no cover - tenacity returns or raises
+
+    def _before_retry(self, op: str, what: str, state: RetryCallState) -> None:
+        self.traffic.record_retry(op, self.tkey)
+        log_retry(log, self.name, f"{what} of {self.url}", self.retry.attempts, state)
 
 
 async def _bounded(limit: int, coros: list[Awaitable[T]]) -> list[T]:

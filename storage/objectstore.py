@@ -51,7 +51,7 @@ from storage.backends import (
 )
 from storage.errors import ObjectMissing, TransientStoreError
 from storage.multipart import LargeObjects, Tally, first_bytes, gather, read, run, upload
-from storage.retry import RetryPolicy, is_transient
+from storage.retry import RetryPolicy, is_transient, log_retry
 from storage.traffic import TrafficCounter
 
 log = logging.getLogger(__name__)
@@ -379,21 +379,8 @@ class ObjectStore:
         credentials)."""
         for key in keys:
             self.traffic.record_retry(op, self._tkey(key))
-        exc = state.outcome.exception() if state.outcome else None
         more = f" (and {len(keys) - 1} more keys)" if len(keys) > 1 else ""
-        log.warning(
-            "store %s: %s %s/%s%s failed (attempt %d of %d): %s: %s; retrying in %.2fs",
-            self.name or "-",
-            op,
-            self.url,
-            keys[0],
-            more,
-            state.attempt_number,
-            self.retry.attempts,
-            type(exc).__name__,
-            exc,
-            state.next_action.sleep if state.next_action else 0.0,
-        )
+        log_retry(log, self.name, f"{op} {self.url}/{keys[0]}{more}", self.retry.attempts, state)
 
     # -- backends -----------------------------------------------------------------
 
