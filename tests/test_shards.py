@@ -9,6 +9,7 @@ Run: ``.venv/bin/pytest tests/test_shards.py -q``.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -324,12 +325,12 @@ def test_a_shard_gone_after_indexing_is_named(tmp_path: Path) -> None:
         ds.train_tokens[0:10]
 
 
-def test_a_store_outage_is_ridden_out_and_a_denied_read_is_not(tmp_path, monkeypatch):
+def test_a_store_outage_is_ridden_out_and_a_denied_read_is_not(tmp_path, monkeypatch, caplog):
     """Remote block reads retry transient errors (a dropped connection, a 503) as
-    the exchange rides out an outage; an error no retry can fix fails at once."""
+    the exchange rides out an outage, pausing 0.2 s, then twice as long each time,
+    and logging from the third retry on; an error no retry can fix fails at once."""
     from fsspec.implementations.memory import MemoryFileSystem
 
-    from workers.data import lazy
     from workers.data.streams import WorkerStream, open_dataset
 
     text = tmp_path / "t.txt"
@@ -338,7 +339,8 @@ def test_a_store_outage_is_ridden_out_and_a_denied_read_is_not(tmp_path, monkeyp
     prepare_data([str(text)], url)
     expected = WorkerStream(open_dataset(url), 0, 1, seq_len=16, batch_size=4).batch(0)
     flaky_ds, denied_ds = open_dataset(url), open_dataset(url)  # fresh caches
-    monkeypatch.setattr(lazy.time, "sleep", lambda _s: None)
+    pauses: list[float] = []
+    monkeypatch.setattr(time, "sleep", pauses.append)  # tenacity's default sleep calls it
     calls = {"n": 0}
     real = MemoryFileSystem.cat_file
 
@@ -351,9 +353,14 @@ def test_a_store_outage_is_ridden_out_and_a_denied_read_is_not(tmp_path, monkeyp
     monkeypatch.setattr(MemoryFileSystem, "cat_ranges", lambda self, paths, starts, ends,
                         on_error="return", **kw: [ConnectionResetError("reset")] * len(paths))
     monkeypatch.setattr(MemoryFileSystem, "cat_file", flaky)
-    got = WorkerStream(flaky_ds, 0, 1, seq_len=16, batch_size=4).batch(0)
+    with caplog.at_level("WARNING", logger="workers.data.lazy"):
+        got = WorkerStream(flaky_ds, 0, 1, seq_len=16, batch_size=4).batch(0)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert calls["n"] > 3
+    # the first block: the batch's read and 3 more failed, the 5th read got through
+    assert pauses[:4] == pytest.approx([0.2, 0.4, 0.8, 1.6])
+    warned = [r.getMessage() for r in caplog.records if "read failed" in r.getMessage()]
+    assert len(warned) == 2 and "(0 s of at most 900 s): connection reset" in warned[0]
 
     def denied(self, path, start=None, end=None, **kw):
         calls["n"] += 1
@@ -364,3 +371,30 @@ def test_a_store_outage_is_ridden_out_and_a_denied_read_is_not(tmp_path, monkeyp
     with pytest.raises(ShardUnreadable, match="PermissionError"):
         WorkerStream(denied_ds, 0, 1, seq_len=16, batch_size=4).batch(0)
     assert calls["n"] == 1  # one retry after the reset, none after the denial
+
+
+def test_a_block_read_gives_up_after_its_patience_with_the_last_error(monkeypatch):
+    """A transient error that outlasts `PATIENCE_S` (counted from the failed batch
+    read) ends the retries, and the reader names that error."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from workers.data import lazy
+
+    url = f"memory://patience-{uuid.uuid4().hex[:8]}"
+    with fsspec.open(f"{url}/a.bin", "wb") as f:
+        f.write((np.arange(5000) % 256).astype("<u2").tobytes())
+    ds = open_dataset(_prepared([f"{url}/a.bin"], "bin16", max_files=1))
+    monkeypatch.setattr(lazy, "BLOCK_OUTAGE",
+                        lazy.OutagePolicy(patience_s=0.05, pause_s=0.01, max_pause_s=0.01))
+    calls = {"n": 0}
+
+    def down(self, path, start=None, end=None, **kw):
+        calls["n"] += 1
+        raise TimeoutError(f"read timed out ({calls['n']})")
+
+    monkeypatch.setattr(MemoryFileSystem, "cat_ranges", lambda self, paths, starts, ends,
+                        on_error="return", **kw: [ConnectionResetError("reset")] * len(paths))
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", down)
+    with pytest.raises(ShardUnreadable, match=r"TimeoutError: read timed out \((\d+)\)") as err:
+        ds.train_tokens[0:10]
+    assert calls["n"] >= 2 and f"({calls['n']})" in str(err.value)

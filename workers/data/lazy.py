@@ -16,7 +16,6 @@ import base64
 import logging
 import os
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +24,7 @@ import fsspec
 import google_crc32c
 import numpy as np
 
-from storage.retry import is_transient
+from storage.retry import OutagePolicy, is_transient
 from workers.data.errors import ShardCorrupt, ShardUnreadable
 from workers.data.manifest import ShardEntry
 
@@ -39,6 +38,11 @@ CACHE_BYTES = 64 << 20
 PATIENCE_S = 900.0
 #: The longest pause between two attempts.
 MAX_PAUSE_S = 5.0
+#: How a failed block read is retried: pauses of 0.2 s doubling up to `MAX_PAUSE_S`
+#: (these reads have no retry of their own below, unlike the store's operations, so
+#: the first retries come quickly), logged from the third retry on.
+BLOCK_OUTAGE = OutagePolicy(patience_s=PATIENCE_S, pause_s=0.2, max_pause_s=MAX_PAUSE_S,
+                            quiet_retries=2)
 
 Key = tuple[int, int]  # (shard, block)
 
@@ -129,24 +133,26 @@ class ShardReader:
 
     def _retry(self, key: Key, data: bytes | Exception) -> bytes | Exception:
         """A remote block whose ranged read failed, read again while the error is
-        transient, for up to `PATIENCE_S` seconds."""
+        transient (`is_transient`), under `BLOCK_OUTAGE`: for up to `PATIENCE_S`
+        seconds. Returns the bytes, or the error that ended the retries (for
+        `_verify` to name)."""
+        if not (isinstance(data, Exception) and is_transient(data)):
+            return data
         fs, path = self._targets[key[0]]
-        start, attempt = time.monotonic(), 0
-        while isinstance(data, Exception) and is_transient(data):
-            waited = time.monotonic() - start
-            if waited >= PATIENCE_S:
-                break
-            if attempt >= 2:
-                log.warning("token shard %s: read failed (%.0f s of at most %.0f s): %s",
-                            self._urls[key[0]], waited, PATIENCE_S, data)
-            time.sleep(min(MAX_PAUSE_S, 0.2 * 2**attempt))
-            attempt += 1
-            a, b = self._block_span(key)
-            try:
-                data = fs.cat_file(path, start=a, end=b)
-            except Exception as exc:  # noqa: BLE001 - kept, named below if it persists
-                data = exc
-        return data
+        a, b = self._block_span(key)
+        failed: list[Exception] = [data]  # attempt 1 was the batch's read
+
+        def read() -> bytes:
+            if failed:
+                raise failed.pop()
+            return fs.cat_file(path, start=a, end=b)
+
+        retrying = BLOCK_OUTAGE.retrying(retry_on=is_transient, log=log,
+                                         what=f"token shard {self._urls[key[0]]}: read failed")
+        try:
+            return retrying(read)
+        except Exception as exc:  # noqa: BLE001 - named by _verify
+            return exc
 
     def _verify(self, key: Key, data: bytes | Exception) -> np.ndarray:
         shard, block = key
