@@ -1,5 +1,5 @@
 """Our model class against building the `transformers` class itself: what the choice
-costs (the numbers behind "The model" in the README's "Your own model and data").
+costs (the numbers behind "The model" in docs/own-model.md).
 
     .venv/bin/python -m benchmarks.bench_model [--presets tiny,small] [--steps 10]
 

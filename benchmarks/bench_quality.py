@@ -63,7 +63,7 @@ SWEEP: dict[str, list[tuple[float, float]]] = {
     "pure-eager": [(0.7, 0.5), (0.7, 0.0), (1.0, 0.0)],
     "eager-tau12": [(0.7, 0.5), (0.7, 0.0), (1.0, 0.0)],
 }
-# the reference measurements (README, Results): the reference's gaps to data-parallel (M=2, 600 steps).
+# the reference measurements (docs/results.md): the reference's gaps to data-parallel (M=2, 600 steps).
 REFERENCE_GAPS = {
     "diloco": "+4.0% (H=50)",
     "streaming": "+3.7% (float32), +3.7% (int4/int8)",

@@ -5,7 +5,7 @@ budget. This module holds that common ground:
 
 - the reference recipe (``reference_overrides``): a 0.89M-parameter byte-level
   Llama on the installed Shakespeare corpus, close to the 0.87M reference model of
-  the reference measurements (README, Results);
+  the reference measurements (docs/results.md);
 - the synchronisation modes (``MODES``) and codec pairs (``CODECS``) a contender
   picks from, and the labels the reports print for them;
 - the dataset, prepared once into a local directory (``ensure_dataset``).
@@ -22,7 +22,7 @@ from pathlib import Path
 log = logging.getLogger("benchmarks")
 
 
-# About the reference model of the reference measurements (README, Results) (0.87M parameters, byte level):
+# About the reference model of the reference measurements (docs/results.md) (0.87M parameters, byte level):
 # 4 blocks of width 128, 4 heads, SwiGLU 384: 885,888 parameters.
 REFERENCE_MODEL = "{d_model: 128, n_layers: 4, n_heads: 4, max_seq_len: 128}"
 
