@@ -439,6 +439,83 @@ def test_buffer_bound_drops_oldest_and_counts(sqlite_tracking: str, tmp_path: Pa
     assert "tracking.json" in caplog.text
 
 
+
+def test_the_thread_retries_a_failing_task_and_close_cuts_its_backoff_short(
+        sqlite_tracking: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A task that fails (the server away) is retried, in order, until it gets
+    through; the outage is logged once and its end too. While it keeps failing,
+    close() does not wait out the backoff: one last try, then the task is counted
+    as not logged, with the last error."""
+    from tenacity import wait_fixed
+
+    from tracking import mlflow_hooks
+
+    monkeypatch.setattr(mlflow_hooks, "OUTAGE_WAIT", wait_fixed(0.01))
+    hooks = MlflowHooks((tmp_path / "store" / "run-away").as_uri(), role="train",
+                        flush_every=0.05)
+    calls: list[float] = []
+    done = threading.Event()
+
+    def flaky() -> None:
+        calls.append(time.monotonic())
+        if len(calls) <= 3:
+            raise ConnectionError("server away")
+        done.set()
+
+    with caplog.at_level(logging.INFO, logger="tracking.mlflow_hooks"):
+        hooks._task(mlflow_hooks._Task("flaky", flaky, lost={"tags": 1}))
+        assert done.wait(30)
+        deadline = time.monotonic() + 30
+        while "answers again" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert len(calls) == 4 and caplog.text.count("unreachable, buffering and retrying") == 1
+    assert "answers again" in caplog.text
+
+    monkeypatch.setattr(mlflow_hooks, "OUTAGE_WAIT", wait_fixed(600))  # close() cuts it short
+    down: list[float] = []
+
+    def away() -> None:
+        down.append(time.monotonic())
+        raise ConnectionError("still away")
+
+    hooks._task(mlflow_hooks._Task("away", away, lost={"params": 2}))
+    deadline = time.monotonic() + 30
+    while not down and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="tracking.mlflow_hooks"):
+        assert hooks.close(timeout=60) == {"params": 2}
+    assert time.monotonic() - t < 30 and len(down) == 2  # the first try, and one last
+    assert "(last error: ConnectionError: still away)" in caplog.text
+    hooks._thread.join(5)
+    assert not hooks._thread.is_alive()
+
+
+def test_while_closing_a_missing_tracking_json_is_polled_until_close_gives_up(
+        sqlite_tracking: str, tmp_path: Path) -> None:
+    """`NotReady` (no train job has written tracking.json) is not an outage: close()
+    keeps polling for it, every 0.25 s, for as long as its timeout, then the thread
+    ends."""
+    from tracking import mlflow_hooks
+    from tracking.runs import NotReady
+
+    hooks = MlflowHooks((tmp_path / "store" / "run-early").as_uri(), role="train")
+    polls: list[float] = []
+
+    def early() -> None:
+        polls.append(time.monotonic())
+        raise NotReady("no tracking.json yet")
+
+    hooks._task(mlflow_hooks._Task("early", early, lost={"tags": 3}))
+    t = time.monotonic()
+    assert hooks.close(timeout=1.0) == {"tags": 3}
+    assert 1.0 <= time.monotonic() - t < 10
+    closing = [p for p in polls if p >= t]
+    assert len(closing) >= 2 and not hooks.sender.outage
+    hooks._thread.join(5)
+    assert not hooks._thread.is_alive()
+
 # -- against a tracking server ---------------------------------------------------------
 
 @pytest.fixture(scope="module")

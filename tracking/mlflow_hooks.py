@@ -52,6 +52,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
+
 from tracking import parent_run
 from tracking.hooks import Hooks
 from tracking.metrics import (
@@ -83,6 +85,9 @@ from tracking.system_metrics import SystemMonitors
 log = logging.getLogger(__name__)
 
 CONFIRM_EVERY = 0.05  # seconds; see `MetricSender.window`
+#: The thread's pauses between tries: polling for tracking.json, backing off a server away.
+NOT_READY_WAIT = wait_exponential(multiplier=0.5, max=5.0)
+OUTAGE_WAIT = wait_exponential(multiplier=1.0, max=30.0)
 
 _STATUS = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED",
            "cancelled": "KILLED", "crashed": "FAILED"}
@@ -162,6 +167,7 @@ class MlflowHooks(Hooks):
         self._started_ms: int | None = None
         self._last_error = ""
         self._outage_since: float | None = None
+        self._attempt_closing = False  # the thread's current try began while closing
         self._wake = threading.Event()
         self._closing = threading.Event()
         self._abandoned = threading.Event()  # close() stopped waiting: stop trying
@@ -313,37 +319,54 @@ class MlflowHooks(Hooks):
     # -- the background thread ---------------------------------------------------------
 
     def _loop(self) -> None:
-        delay = 0.0
-        while not self._abandoned.is_set():
-            if delay:  # backoff, which close() cuts short (not the poll while closing)
-                (self._abandoned if self._closing.is_set() else self._closing).wait(delay)
-            else:  # batches in MLflow's queue: confirm them soon, to free the window
-                self._wake.wait(CONFIRM_EVERY if self.sender.queued() else self.flush_every)
+        """The thread: wait for work, do it until it gets through, stop after close().
+        Any error is retried (`_work` drops a permanent one's task), without limit while
+        the job runs: logging waits for the server, never training for logging. Once
+        closing, only `NotReady` is, until close() stops waiting."""
+
+        def not_ready(state: RetryCallState) -> bool:
+            return isinstance(state.outcome and state.outcome.exception(), NotReady)
+
+        def wait(state: RetryCallState) -> float:
+            if not_ready(state):
+                return 0.25 if self._attempt_closing else NOT_READY_WAIT(state)
+            return OUTAGE_WAIT(state)
+
+        def pause(seconds: float) -> None:  # once closing, only close() giving up cuts it
+            (self._abandoned if self._closing.is_set() else self._closing).wait(seconds)
+            if self._abandoned.is_set():  # ends the tries (tenacity lets it through)
+                raise InterruptedError("close() stopped waiting")
+
+        def attempt() -> bool:  # one try of the work: True if it began while closing
             self._wake.clear()
+            self._attempt_closing = self._closing.is_set()
+            self._work()
+            return self._attempt_closing
+
+        retrying = Retrying(retry=retry_if_exception_type(Exception), wait=wait, sleep=pause,
+                            stop=lambda state: self._attempt_closing and not not_ready(state),
+                            after=self._note_outage, reraise=True)
+        closing = False
+        while not (closing and self._idle()):
+            # batches in MLflow's queue: confirm them soon, to free the window
+            self._wake.wait(CONFIRM_EVERY if self.sender.queued() else self.flush_every)
             if self._abandoned.is_set():
                 break
-            closing = self._closing.is_set()
             try:
-                self._work()
-            except NotReady as exc:  # poll; close() decides how long to wait
-                self._last_error = str(exc)
-                delay = 0.25 if closing else min(max(0.5, delay * 2), 5.0)
-            except Exception as exc:  # noqa: BLE001 - transient: retry with backoff
-                self._note_outage(exc)
-                if closing:  # one last attempt was made: give up, close() counts
-                    break
-                delay = min(max(1.0, delay * 2), 30.0)
-            else:
-                if self._outage_since is not None:
-                    log.info("MLflow tracking (%s): the server answers again after %.0f s",
-                             self.role, time.monotonic() - self._outage_since)
-                    self._outage_since = None
-                self.sender.outage = False
-                delay = 0.0
-                if closing and self._idle():
-                    break
+                closing = retrying(attempt)
+            except Exception:  # noqa: BLE001 - abandoned, or it failed while closing
+                break  # close() counts what was not logged
+            if self._outage_since is not None:
+                log.info("MLflow tracking (%s): the server answers again after %.0f s",
+                         self.role, time.monotonic() - self._outage_since)
+                self._outage_since = None
+            self.sender.outage = False
 
-    def _note_outage(self, exc: BaseException) -> None:
+    def _note_outage(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        if isinstance(exc, NotReady):  # not an outage: tracking.json is not there yet
+            self._last_error = str(exc)
+            return
         self.sender.outage = True
         self._last_error = f"{type(exc).__name__}: {clip(str(exc), 300)}"
         if self._outage_since is None:
