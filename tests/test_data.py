@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ import torch
 from storage.objectstore import ObjectStore
 from workers.data.errors import (
     CorpusNotInstalled,
+    DataError,
     DatasetExists,
+    DatasetInvalid,
     DatasetMissing,
     ShardCorrupt,
     SourceNotFound,
@@ -404,3 +407,75 @@ def test_a_format_1_dataset_still_opens_and_streams(tmp_path: Path) -> None:
         assert all(torch.equal(sa.next_batch()[0], sb.next_batch()[0]) for _ in range(3))
     va, vb = (val_batches(d, seq_len=8, batch_size=2, num_batches=2) for d in (old, new))
     assert all(torch.equal(x[0], y[0]) for x, y in zip(va, vb, strict=True))
+
+
+def test_batches_are_the_windows_the_stream_documents(tmp_path: Path) -> None:
+    """What a dataset's batches are, checked against the tokens in memory: batch b
+    of a worker is ``batch_size`` windows at starts drawn by
+    ``default_rng([seed, worker, b])`` over its range, and the val batches are
+    windows at evenly spaced starts over the val split."""
+    text = "".join(chr(97 + i) for i in np.random.default_rng(0).integers(0, 26, 400))
+    ids = np.frombuffer(text.encode(), np.uint8).astype(np.int64)
+    ds = prepared([text], tmp_path, val_fraction=0.1)
+    train, val = ids[:360], ids[360:]
+    stream = WorkerStream(ds, 0, 1, seq_len=8, batch_size=4, seed=2)
+    for b in range(3):
+        starts = np.random.default_rng([2, 0, b]).integers(0, 360 - 8, size=4, dtype=np.int64)
+        x, y = stream.next_batch()
+        assert torch.equal(x, torch.from_numpy(train[starts[:, None] + np.arange(8)]))
+        assert torch.equal(y, torch.from_numpy(train[starts[:, None] + np.arange(1, 9)]))
+    got = val_batches(ds, seq_len=8, batch_size=2, num_batches=2)
+    starts = [0, 10, 21, 31]  # linspace(0, 40 - 9, 4), rounded
+    want = [val[s: s + 8] for s in starts]
+    assert [r.tolist() for x, _ in got for r in x] == [w.tolist() for w in want]
+
+
+def test_ids_outside_the_vocabulary_are_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tokenizer that gives an id its vocabulary does not hold fails the
+    preparation naming the file; no token shard is left behind."""
+    from workers.data import prepare
+
+    class Small(ByteTokenizer):
+        vocab_size = 100  # "z" is 122
+
+    monkeypatch.setattr(prepare, "load_tokenizer", lambda spec: Small())
+    src = tmp_path / "z.txt"
+    src.write_text("abc xyz\n")
+    url = memory_url()
+    with pytest.raises(DataError, match=r"z\.txt: tokenizer byte produced ids outside 0\.\.99"):
+        prepare_data([str(src)], url)
+    assert not ObjectStore(url).exists("dataset.json")
+    assert not ObjectStore(url).exists("tokens/00000.bin")
+
+
+def _edit_manifest(url: str, edit: Callable[[dict[str, Any]], None]) -> None:
+    store = ObjectStore(url)
+    manifest = json.loads(store.get("dataset.json"))
+    edit(manifest)
+    store.put("dataset.json", json.dumps(manifest).encode())
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m["files"][0].update(train_tokens=m["files"][0]["train_tokens"] + 1),
+         r"file \S+f0\.txt splits 400 tokens into 361 train and 40 val"),
+        (lambda m: m["shards"][0].update(tokens=399), r"the shards hold 399 tokens, the files 400"),
+        (lambda m: m["shards"][0].update(crc32c=m["shards"][0]["crc32c"] + "AAAA"),
+         r"shard tokens/00000\.bin has checksums for the wrong number of blocks \(expected 1\)"),
+        (lambda m: m["files"][0].pop("tokens"), r"does not validate"),
+    ],
+    ids=["file-split", "shard-tokens", "checksums", "schema"],
+)
+def test_a_dataset_json_that_disagrees_with_its_tokens_is_refused(
+    edit: Callable[[dict[str, Any]], None], message: str, tmp_path: Path
+) -> None:
+    """The token counts of the files, the shards and their checksums must agree
+    before anything is read: a wrong count would shift every file's windows."""
+    url = prepared(["abcdefghij" * 40], tmp_path, val_fraction=0.1).url
+    open_dataset(url)
+    _edit_manifest(url, edit)
+    with pytest.raises(DatasetInvalid, match=message):
+        open_dataset(url)

@@ -183,6 +183,10 @@ def open_dataset(url: str, storage_options: dict | None = None) -> TokenDataset:
 def _open_sharded(store: ObjectStore, manifest: ShardedManifest,
                   storage_options: dict | None, where: str) -> TokenDataset:
     """A format-2 dataset: nothing is read but the index; blocks come on demand."""
+    for f in manifest.files:
+        if f.train_tokens + f.val_tokens != f.tokens:
+            raise DatasetInvalid(f"{where}: file {f.name} splits {f.tokens} tokens into "
+                                 f"{f.train_tokens} train and {f.val_tokens} val")
     total = sum(s.tokens for s in manifest.shards)
     if total != sum(f.tokens for f in manifest.files):
         raise DatasetInvalid(f"{where}: the shards hold {total} tokens, the files "
