@@ -378,37 +378,6 @@ def test_module_entry_runs_the_prepare_command(two_files: list[Path], tmp_path: 
     assert open_dataset(out.as_uri()).files[0].name == str(two_files[0])
 
 
-def test_a_format_1_dataset_still_opens_and_streams(tmp_path: Path) -> None:
-    """Datasets prepared before the shards (zarr token arrays) open as before:
-    in memory, verified, the same batches as the same tokens in format 2."""
-    from storage.arrays import write_array
-    from workers.data.manifest import ArrayEntry, Counts, DatasetManifest, FileEntry, TokenizerEntry
-
-    ids = np.frombuffer(("abcdefghij" * 40).encode(), np.uint8).astype(np.uint16)
-    url = memory_url()
-    store = ObjectStore(url)
-    arrays = {}
-    for key, arr in (("train/tokens", ids[:360]), ("train/offsets", np.array([0, 360])),
-                     ("val/tokens", ids[360:]), ("val/offsets", np.array([0, 40]))):
-        record, _ = write_array(store, key, arr)
-        arrays[key] = ArrayEntry(shape=list(arr.shape), dtype=str(arr.dtype), record=record)
-    manifest = DatasetManifest(
-        tokenizer=TokenizerEntry(spec="byte", name="byte", vocab_size=256), dtype="uint16",
-        val_fraction=0.1, sources=["x"], arrays=arrays,
-        files=[FileEntry(name="x", bytes=400, tokens=400, train_tokens=360, val_tokens=40)],
-        counts=Counts(files=1, bytes=400, tokens=400, train_tokens=360, val_tokens=40))
-    store.put("dataset.json", manifest.to_json())
-    old = open_dataset(url)
-    assert isinstance(old.train_tokens, np.ndarray)
-    new = prepared(["abcdefghij" * 40], tmp_path, val_fraction=0.1)
-    for ds_a, ds_b in ((old, new),):
-        sa = WorkerStream(ds_a, 0, 1, seq_len=8, batch_size=4, seed=2)
-        sb = WorkerStream(ds_b, 0, 1, seq_len=8, batch_size=4, seed=2)
-        assert all(torch.equal(sa.next_batch()[0], sb.next_batch()[0]) for _ in range(3))
-    va, vb = (val_batches(d, seq_len=8, batch_size=2, num_batches=2) for d in (old, new))
-    assert all(torch.equal(x[0], y[0]) for x, y in zip(va, vb, strict=True))
-
-
 def test_batches_are_the_windows_the_stream_documents(tmp_path: Path) -> None:
     """What a dataset's batches are, checked against the tokens in memory: batch b
     of a worker is ``batch_size`` windows at starts drawn by
@@ -479,3 +448,48 @@ def test_a_dataset_json_that_disagrees_with_its_tokens_is_refused(
     _edit_manifest(url, edit)
     with pytest.raises(DatasetInvalid, match=message):
         open_dataset(url)
+
+
+OLD_MANIFEST = {  # as the zarr-array version wrote it (abridged records)
+    "created": "2025-01-01T00:00:00+00:00",
+    "tokenizer": {"spec": "byte", "name": "byte", "vocab_size": 256, "sha256": None,
+                  "file": None},
+    "dtype": "uint16", "val_fraction": 0.1, "sources": ["x"],
+    "files": [{"name": "x", "bytes": 400, "tokens": 400, "train_tokens": 360,
+               "val_tokens": 40, "truncated": False}],
+    "counts": {"files": 1, "bytes": 400, "tokens": 400, "train_tokens": 360, "val_tokens": 40},
+    "format": "diloco-flows/dataset/1",
+    "arrays": {key: {"shape": [n], "dtype": "uint16",
+                     "record": {"zarr.json": {"bytes": 400, "sha256": "0" * 64}}}
+               for key, n in (("train/tokens", 360), ("train/offsets", 2),
+                              ("val/tokens", 40), ("val/offsets", 2))},
+}
+
+
+def test_a_dataset_of_the_old_format_says_to_prepare_it_again() -> None:
+    """Data an older version prepared (zarr token arrays) is not read: opening it,
+    its fingerprint (the tracking's digest) and a run pointed at it give one line
+    naming the file and its format and saying how to prepare it again."""
+    from workers.config import load_config
+    from workers.data.manifest import manifest_fingerprint
+    from workers.runs import ensure_dataset
+
+    url = memory_url()
+    ObjectStore(url).put("dataset.json", json.dumps(OLD_MANIFEST).encode())
+    expected = (
+        f"{url}/dataset.json is a dataset of format 'diloco-flows/dataset/1', which this "
+        "version no longer reads (it reads 'diloco-flows/dataset/2', token shards); prepare "
+        "the data again with `diloco prepare-data SOURCE... --out URL` (or `python -m "
+        "workers.data prepare`), into a new URL or after deleting this dataset"
+    )
+    with pytest.raises(DatasetInvalid) as err:
+        open_dataset(url)
+    assert str(err.value) == expected and err.value.__cause__ is None
+    with pytest.raises(DatasetInvalid, match=r"^dataset\.json is a dataset of format "
+                                             r"'diloco-flows/dataset/1'"):
+        manifest_fingerprint(OLD_MANIFEST)
+    cfg = load_config("tiny", [f"data.dataset={url}"])
+    with pytest.raises(DataError) as err:  # a user error: one line, no traceback
+        ensure_dataset(cfg, memory_url())
+    assert str(err.value) == expected
+    assert json.loads(ObjectStore(url).get("dataset.json")) == OLD_MANIFEST  # left as it was

@@ -28,8 +28,8 @@ bounds a worker's memory. `WorkerStream` gives one worker its part of the train
 tokens, as random windows that are a pure function of (seed, worker, batch
 index), so a resumed worker sees exactly the batches it would have seen, and the
 next batch is read ahead in the background. `val_batches` gives every party the
-same fixed windows. Datasets of format 1 (zarr token arrays, before the shards)
-still open, loaded into memory as before.
+same fixed windows. A ``dataset.json`` of any other format (one prepared by an
+older version) is refused with one line saying to prepare the data again.
 
 The modules, one job each:
 

@@ -29,7 +29,8 @@ class DatasetMissing(DataError):
 
 
 class DatasetInvalid(DataError):
-    """``dataset.json`` or the arrays it describes do not check out."""
+    """``dataset.json`` (its format, its schema or its counts) or the shards it
+    describes do not check out."""
 
 
 class ShardInvalid(DataError):

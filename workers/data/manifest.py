@@ -14,13 +14,15 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-FORMAT = "diloco-flows/dataset/1"
-#: The format of datasets whose tokens live in flat token shards (read lazily).
+from workers.data.errors import DatasetInvalid
+
+#: The one format of ``dataset.json``: the tokens live in flat token shards, read
+#: lazily. (The earlier one, zarr token arrays loaded whole, is no longer read:
+#: `check_format` tells its owner to prepare the data again.)
 FORMAT_SHARDS = "diloco-flows/dataset/2"
 MANIFEST = "dataset.json"
 #: The copy of a tokenizer file in the dataset store (so export/sample have it).
 TOKENIZER_FILE = "tokenizer.json"
-ARRAYS = ("train/tokens", "train/offsets", "val/tokens", "val/offsets")
 
 
 class _Strict(BaseModel):
@@ -52,34 +54,6 @@ class Counts(_Strict):
     val_tokens: int
 
 
-class ArrayEntry(_Strict):
-    shape: list[int]
-    dtype: str
-    record: dict[str, dict[str, Any]] = Field(description="objects written by write_array")
-
-
-class _Manifest(_Strict):
-    """What both formats of ``dataset.json`` record besides their token storage."""
-
-    created: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
-    tokenizer: TokenizerEntry
-    dtype: Literal["uint16", "uint32"]
-    val_fraction: float = Field(ge=0.0, lt=1.0)
-    sources: list[str] = Field(description="the sources as given to prepare_data")
-    files: list[FileEntry]
-    counts: Counts
-
-    def to_json(self) -> bytes:
-        return json.dumps(self.model_dump(), indent=2).encode()
-
-
-class DatasetManifest(_Manifest):
-    """The contents of ``dataset.json`` of format 1: zarr token arrays."""
-
-    format: Literal["diloco-flows/dataset/1"] = FORMAT
-    arrays: dict[str, ArrayEntry]
-
-
 class ShardEntry(_Strict):
     """One flat token shard: ``tokens`` ids of ``dtype`` after ``header_bytes``."""
 
@@ -94,27 +68,49 @@ class ShardEntry(_Strict):
     sha256: str | None = Field(default=None, description="of the whole object, when written")
 
 
-class ShardedManifest(_Manifest):
-    """The contents of ``dataset.json`` of format 2: the dataset's token stream is
-    its shards, concatenated; the files are consecutive ranges of that stream, each
-    split into train (its first ``train_tokens``) and val (the rest)."""
+class ShardedManifest(_Strict):
+    """The contents of ``dataset.json``: the dataset's token stream is its shards,
+    concatenated; the files are consecutive ranges of that stream, each split into
+    train (its first ``train_tokens``) and val (the rest)."""
 
+    created: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
+    tokenizer: TokenizerEntry
+    dtype: Literal["uint16", "uint32"]
+    val_fraction: float = Field(ge=0.0, lt=1.0)
+    sources: list[str] = Field(description="the sources as given to prepare_data")
+    files: list[FileEntry]
+    counts: Counts
     format: Literal["diloco-flows/dataset/2"] = FORMAT_SHARDS
     shards: list[ShardEntry]
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.model_dump(), indent=2).encode()
+
+
+def check_format(manifest: Any, where: str) -> None:
+    """`DatasetInvalid` in one line unless ``manifest`` (a parsed ``dataset.json``,
+    named ``where``) is of `FORMAT_SHARDS`: data prepared by an older version must
+    be prepared again, and its owner should read that, not a schema error."""
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found == FORMAT_SHARDS:
+        return
+    raise DatasetInvalid(
+        f"{where} is a dataset of format {found!r}, which this version no longer reads "
+        f"(it reads {FORMAT_SHARDS!r}, token shards); prepare the data again with "
+        "`diloco prepare-data SOURCE... --out URL` (or `python -m workers.data prepare`), "
+        "into a new URL or after deleting this dataset"
+    )
 
 
 def manifest_fingerprint(manifest: dict[str, Any]) -> str:
     """A short hash of a dataset's token contents (not of names or times), from its
     ``dataset.json``: equal fingerprints mean equal tokens and splits. The one
     definition `TokenDataset.fingerprint` and the tracking use."""
-    if manifest.get("format") == FORMAT_SHARDS:
-        shards = [(s["dtype"], s["tokens"], s["block_bytes"], s["crc32c"])
-                  for s in manifest["shards"]]
-        files = [(f["train_tokens"], f["val_tokens"]) for f in manifest["files"]]
-        blob = json.dumps({"shards": shards, "files": files}).encode()
-    else:
-        records = {k: a["record"] for k, a in (manifest.get("arrays") or {}).items()}
-        blob = json.dumps(records, sort_keys=True).encode()
+    check_format(manifest, MANIFEST)
+    shards = [(s["dtype"], s["tokens"], s["block_bytes"], s["crc32c"])
+              for s in manifest["shards"]]
+    files = [(f["train_tokens"], f["val_tokens"]) for f in manifest["files"]]
+    blob = json.dumps({"shards": shards, "files": files}).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 

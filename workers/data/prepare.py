@@ -1,9 +1,9 @@
-"""Preparing a dataset: text files in, token arrays and ``dataset.json`` out.
+"""Preparing a dataset: text files in, token shards and ``dataset.json`` out.
 
 `prepare_data` (and its command, ``python -m workers.data prepare``) reads the
 files `workers.data.sources` finds, tokenises them file by file, holds out the
-last ``val_fraction`` of every file's tokens for validation and writes the arrays
-and, last, ``dataset.json`` (see `workers.data`). Run ``python -m workers.data
+last ``val_fraction`` of every file's tokens for validation and writes the token
+shards and, last, ``dataset.json`` (see `workers.data`). Run ``python -m workers.data
 prepare --help`` for the command line.
 """
 
@@ -28,7 +28,6 @@ from workers.data.manifest import (
     MANIFEST,
     TOKENIZER_FILE,
     Counts,
-    DatasetManifest,
     FileEntry,
     ShardedManifest,
     TokenizerEntry,
@@ -56,7 +55,7 @@ class DatasetInfo:
     bytes_written: int
     objects_written: int
     seconds: float
-    manifest: DatasetManifest | ShardedManifest
+    manifest: ShardedManifest
     notes: tuple[str, ...] = ()  # e.g. which shards were referenced and which copied
 
 
@@ -248,17 +247,6 @@ def _exists(store: ObjectStore, *, during: bool = False) -> DatasetExists:
     )
 
 
-def _encode(tok: Tokenizer, text: str, dtype: np.dtype, name: str) -> np.ndarray:
-    ids = np.asarray(tok.encode(text))
-    if ids.size == 0:
-        return np.zeros(0, dtype)
-    if ids.min() < 0 or ids.max() >= tok.vocab_size:
-        raise DataError(
-            f"{name}: tokenizer {tok.name} produced ids outside 0..{tok.vocab_size - 1}"
-        )
-    return ids.astype(dtype, copy=False)
-
-
 def _file_sha256(spec: str) -> str | None:
     if spec == "byte" or not os.path.isfile(spec):
         return None
@@ -302,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prep = commands.add_parser(
         "prepare",
         help="tokenise text files into a dataset in a store",
-        description="Tokenise text files into a new dataset (train/val token arrays and "
+        description="Tokenise text files into a new dataset (token shards and "
         "dataset.json) at a store URL.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -1,8 +1,7 @@
 """What a worker reads: an opened dataset, its training stream and the val batches.
 
-`open_dataset` reads the index; the tokens of a sharded dataset are read
-lazily, block by block (`workers.data.lazy`), format-1 arrays are loaded into
-memory as before. `WorkerStream` gives one
+`open_dataset` reads the index; the tokens are read lazily, block by block
+(`workers.data.lazy`). `WorkerStream` gives one
 worker its part of the train tokens (split ``even`` or ``by_file``), as random
 windows that are a pure function of (seed, worker, batch index), so a resumed
 worker sees exactly the batches it would have seen: its `state_dict` is the data
@@ -24,22 +23,12 @@ import numpy as np
 import torch
 from pydantic import ValidationError
 
-from storage.arrays import read_array
 from storage.errors import ObjectMissing
 from storage.objectstore import ObjectStore
 from workers.data.errors import DatasetInvalid, DatasetMissing
 from workers.data.lazy import LazyTokens, ShardReader
-from workers.data.manifest import (
-    ARRAYS,
-    FORMAT_SHARDS,
-    MANIFEST,
-    DatasetManifest,
-    ShardedManifest,
-    manifest_fingerprint,
-)
+from workers.data.manifest import MANIFEST, ShardedManifest, check_format, manifest_fingerprint
 from workers.tokenizer import Tokenizer, load_tokenizer
-
-Tokens = np.ndarray | LazyTokens
 
 
 @dataclass(frozen=True)
@@ -54,14 +43,14 @@ class DatasetFile:
 
 @dataclass(frozen=True)
 class TokenDataset:
-    """A prepared dataset, verified. See `open_dataset`. The tokens are arrays in
-    memory (format 1) or `LazyTokens` read on demand (format 2, shards)."""
+    """A prepared dataset, its index verified. See `open_dataset`. The tokens are
+    `LazyTokens`, read (and checked) on demand."""
 
     url: str
-    manifest: DatasetManifest | ShardedManifest
-    train_tokens: Tokens
+    manifest: ShardedManifest
+    train_tokens: LazyTokens
     train_offsets: np.ndarray
-    val_tokens: Tokens
+    val_tokens: LazyTokens
     val_offsets: np.ndarray
 
     @property
@@ -107,21 +96,19 @@ class TokenDataset:
 
     @property
     def fingerprint(self) -> str:
-        """A short hash of the token arrays' contents (not of names or times): equal
-        fingerprints mean equal tokens."""
+        """A short hash of the tokens (their shards' checksums and the splits, not
+        names or times): equal fingerprints mean equal tokens."""
         return manifest_fingerprint(self.manifest.model_dump())
 
 
 def open_dataset(url: str, storage_options: dict | None = None) -> TokenDataset:
-    """Open the dataset at ``url``. Format 2 (shards): only ``dataset.json`` is read
-    and checked; token blocks are read and verified against their crc32c when a
-    batch needs them (`ShardCorrupt` then). Format 1 (zarr arrays): read and
-    verified whole (every object's sha256, the offsets against the file list,
-    every id against the vocabulary).
+    """Open the dataset at ``url``: only ``dataset.json`` is read and checked;
+    token blocks are read and verified against their crc32c when a batch needs
+    them (`ShardCorrupt` then).
 
     Raises `DatasetMissing` if nothing was prepared at ``url``, `DatasetInvalid` if
-    ``dataset.json`` does not validate, and the storage errors of `read_array`
-    (`PartialObject`, `CorruptObject`) if an array does not check out.
+    ``dataset.json`` is of another format (`check_format`: one line saying to
+    prepare the data again), does not validate, or disagrees with itself.
     """
     store = ObjectStore(url, storage_options=storage_options, name="dataset")
     where = store.full_url(MANIFEST)
@@ -133,56 +120,14 @@ def open_dataset(url: str, storage_options: dict | None = None) -> TokenDataset:
             f"`python -m workers.data prepare SOURCE... --out {store.url}`"
         ) from None
     try:
-        if json.loads(raw).get("format") == FORMAT_SHARDS:
-            return _open_sharded(store, ShardedManifest.model_validate_json(raw),
-                                 storage_options, where)
-        manifest = DatasetManifest.model_validate_json(raw)
-    except (ValidationError, ValueError) as exc:
+        parsed = json.loads(raw)
+    except ValueError as exc:
+        raise DatasetInvalid(f"{where} is not JSON: {exc}") from None
+    check_format(parsed, where)
+    try:
+        manifest = ShardedManifest.model_validate(parsed)
+    except ValidationError as exc:
         raise DatasetInvalid(f"{where} does not validate:\n{exc}") from exc
-    missing = [k for k in ARRAYS if k not in manifest.arrays]
-    if missing:
-        raise DatasetInvalid(f"{where} lists no arrays {missing}")
-    arrays = {
-        key: read_array(
-            store,
-            key,
-            manifest.arrays[key].record,
-            shape=tuple(manifest.arrays[key].shape),
-            dtype=manifest.arrays[key].dtype,
-            what=f"dataset {store.url}: {key}",
-        )
-        for key in ARRAYS
-    }
-    for split in ("train", "val"):
-        tokens, offsets = arrays[f"{split}/tokens"], arrays[f"{split}/offsets"]
-        counts = [getattr(e, f"{split}_tokens") for e in manifest.files]
-        expected = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-        if offsets.shape != expected.shape or not np.array_equal(offsets, expected):
-            raise DatasetInvalid(f"{where}: {split}/offsets disagree with the files' token counts")
-        if len(tokens) != expected[-1]:
-            raise DatasetInvalid(
-                f"{where}: {split}/tokens has {len(tokens)} tokens, the files {expected[-1]}"
-            )
-        if tokens.dtype != np.dtype(manifest.dtype):
-            raise DatasetInvalid(f"{where}: {split}/tokens is {tokens.dtype}, not {manifest.dtype}")
-        if tokens.size and int(tokens.max()) >= manifest.tokenizer.vocab_size:
-            raise DatasetInvalid(
-                f"{where}: {split}/tokens holds id {int(tokens.max())}, outside the "
-                f"vocabulary of {manifest.tokenizer.vocab_size}"
-            )
-    return TokenDataset(
-        url=store.url,
-        manifest=manifest,
-        train_tokens=arrays["train/tokens"],
-        train_offsets=arrays["train/offsets"],
-        val_tokens=arrays["val/tokens"],
-        val_offsets=arrays["val/offsets"],
-    )
-
-
-def _open_sharded(store: ObjectStore, manifest: ShardedManifest,
-                  storage_options: dict | None, where: str) -> TokenDataset:
-    """A format-2 dataset: nothing is read but the index; blocks come on demand."""
     for f in manifest.files:
         if f.train_tokens + f.val_tokens != f.tokens:
             raise DatasetInvalid(f"{where}: file {f.name} splits {f.tokens} tokens into "
@@ -222,14 +167,10 @@ def _offsets(counts: list[int]) -> np.ndarray:
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def _windows(tokens: Tokens, starts: np.ndarray, seq_len: int) -> Batch:
+def _windows(tokens: LazyTokens, starts: np.ndarray, seq_len: int) -> Batch:
     """x = tokens[s : s + seq_len], y = tokens[s + 1 : s + seq_len + 1] per start s."""
-    if isinstance(tokens, LazyTokens):
-        rows = tokens.read_ranges([(int(s), int(s) + seq_len + 1) for s in starts])
-        w = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
-    idx = starts[:, None] + np.arange(seq_len + 1, dtype=np.int64)
-    w = torch.from_numpy(tokens[idx].astype(np.int64))
+    rows = tokens.read_ranges([(int(s), int(s) + seq_len + 1) for s in starts])
+    w = torch.from_numpy(np.stack(rows).astype(np.int64))
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
@@ -341,19 +282,17 @@ class WorkerStream:
     def next_batch(self) -> Batch:
         """``(x, y)``, LongTensors of shape [batch_size, seq_len], y = x shifted by one.
 
-        With lazily read data, the following batch is read ahead in a background
-        thread (batches are pure functions of their index), so the step does not
-        wait for storage."""
+        The following batch is read ahead in a background thread (batches are pure
+        functions of their index), so the step does not wait for storage."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == self.batch_index:
             out = ahead[1].result()
         else:
             out = self.batch(self.batch_index)
         self.batch_index += 1
-        if isinstance(self.dataset.train_tokens, LazyTokens):
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="read-ahead")
-            self._ahead = (self.batch_index, self._pool.submit(self.batch, self.batch_index))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="read-ahead")
+        self._ahead = (self.batch_index, self._pool.submit(self.batch, self.batch_index))
         return out
 
     def seek(self, batch_index: int) -> None:
