@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from diloco.aggregator import Aggregator
-from diloco.run import open_exchange
+from diloco.run import open_run
 from storage.objectstore import ObjectStore
 from workers import checkpoint
 from workers.config import load_config
@@ -39,7 +39,7 @@ def island_run(tmp_path: Path, data_url: str, name: str, *overrides: str):
     cfg = load_config("tiny", [*MICRO, f"data.dataset={data_url}", "workers=[solo]",
                                "data.slots=1", "train.checkpoint_every=16", *overrides])
     create_run(cfg, url)
-    agg = Aggregator(open_exchange(url))
+    agg = Aggregator(open_run(url))
     stop = threading.Event()
     t = threading.Thread(target=agg.run, args=(stop, 300))
     t.start()
@@ -159,10 +159,17 @@ def _resume_rank(rank: int, out: str) -> None:
                 raise AssertionError("a save with a failing rank returned")
             except CheckpointException as exc:
                 assert isinstance(exc.failures[1][0], PermissionError)
+            # an outage past the patience: rank 0 gives up at once, every rank raises
+            checkpoint.shards_writer = _failing_on_rank_1(rank, [ConnectionResetError()])
+            try:
+                island.outlast_save(opt, store, new_key, patience_s=0, pause_s=0)
+                raise AssertionError("a save past its patience returned")
+            except CheckpointException as exc:
+                assert isinstance(exc.failures[1][0], ConnectionResetError)
         finally:
             checkpoint.shards_writer = writer
         if rank == 0:
-            assert len(keys) == 3 and ref["key"] == keys[1]  # the retry wrote a fresh one
+            assert len(keys) == 4 and ref["key"] == keys[1]  # the retry wrote a fresh one
             torch.save((model_sd, opt_sd, ref), f"{out}/ckpt.pt")
         torch.distributed.barrier()
         _train(island.model, opt, range(3, 6))

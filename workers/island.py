@@ -32,12 +32,12 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from tenacity import RetryCallState
 from torch import nn
 
 from diloco.fragments import FragmentPlan, find_blocks
@@ -45,7 +45,7 @@ from diloco.inflight import MergeAbandoned
 from diloco.run import load_initial
 from diloco.schedule import Schedule
 from storage.objectstore import ObjectStore
-from storage.retry import is_transient
+from storage.retry import OutagePolicy, is_transient
 from workers import checkpoint
 
 if TYPE_CHECKING:  # FSDP, DTensor and DCP are imported where used: a replicated
@@ -68,7 +68,6 @@ class Abandoned(MergeAbandoned):
 GO, STOP, ABANDON = 0, 1, 2
 #: what a worker checkpoint's ``shards`` entry says its model and AdamW state are in
 SHARDS_FORMAT = "torch.distributed.checkpoint"
-_GIVE_UP = "give up"  # rank 0 to the others: the last failed save stands
 
 
 class Island:
@@ -198,35 +197,51 @@ class Island:
                      pause_s: float = 2.0) -> dict | None:
         """Every rank: `save_shards` into the directory rank 0's ``new_key()`` names
         (None: nothing to save; returns None), and after a transient failure of any
-        rank (a store outage) again into a fresh one, for up to ``patience_s`` as the
-        whole-state checkpoint write rides one out. Rank 0 decides and tells the
-        others, so every rank tries again or every rank raises."""
+        rank (a store outage) again into a fresh one, pausing ``pause_s``, for up to
+        ``patience_s`` from the first failure (an `OutagePolicy`, as the whole-state
+        checkpoint write rides one out); then the last failure is raised.
+
+        Every rank runs the same tenacity ``Retrying``; what could differ between
+        the ranks is decided by rank 0 and broadcast: the directory of each attempt
+        and whether the patience is spent. Whether a failure is worth another
+        attempt is every rank's own verdict on the same `CheckpointException` (DCP
+        raises the failures of all ranks on every rank). So every rank tries again
+        or every rank raises, and none is left waiting in a collective."""
         from torch.distributed.checkpoint import CheckpointException  # noqa: PLC0415
 
-        failed: CheckpointException | None = None
-        first = 0.0
-        while True:
-            box: list[str | None] = [None]
-            if self.leader:
-                if failed is not None and (not _transient(failed)
-                                           or time.monotonic() - first >= patience_s):
-                    box[0] = _GIVE_UP
-                else:
-                    box[0] = new_key()
+        tried: list[str] = []  # the directory of each attempt
+
+        def attempt() -> dict | None:
+            box: list[str | None] = [new_key() if self.leader else None]
             if self.size > 1:
                 dist.broadcast_object_list(box, src=0)
-            if box[0] == _GIVE_UP:
-                raise failed
             if box[0] is None:
                 return None
-            try:
-                return self.save_shards(opt, store, box[0])
-            except CheckpointException as exc:
-                failed, first = exc, first or time.monotonic()
-                if self.leader:
-                    log.warning("island: a rank failed to write its checkpoint shards into "
-                                "%s: %s", store.full_url(box[0]), _first_failure(exc))
-                time.sleep(pause_s)
+            tried.append(box[0])
+            return self.save_shards(opt, store, box[0])
+
+        def worth_retrying(exc: BaseException) -> bool:
+            return isinstance(exc, CheckpointException) and _transient(exc)
+
+        retrying = OutagePolicy(patience_s=patience_s, pause_s=pause_s).retrying(
+            retry_on=worth_retrying, what="island: checkpoint shards", log=log)
+        spent = retrying.stop  # the policy's deadline, as rank 0's clock sees it
+
+        def together(state: RetryCallState) -> bool:
+            box = [spent(state) if self.leader else None]
+            if self.size > 1:
+                dist.broadcast_object_list(box, src=0)
+            return bool(box[0])
+
+        def warn(state: RetryCallState) -> None:
+            if self.leader:
+                exc = state.outcome.exception() if state.outcome else None
+                log.warning("island: a rank failed to write its checkpoint shards into %s "
+                            "(attempt %d; retrying for up to %.0f s from the first "
+                            "failure): %s", store.full_url(tried[-1]), state.attempt_number,
+                            patience_s, _first_failure(exc))
+
+        return retrying.copy(stop=together, before_sleep=warn)(attempt)
 
     def load_shards(self, opt: torch.optim.Optimizer, store: ObjectStore, ref: dict) -> None:
         """Every rank: restore the model and AdamW state from the sharded checkpoint
