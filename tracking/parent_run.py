@@ -7,9 +7,9 @@ function here talks to MLflow and is called from that thread only.
 The dataset (``mlflow.log_input``): a `MetaDataset` named after the config's
 sources (``builtin:shakespeare``), its source the prepared data's URL (the config's
 ``data.dataset``, else the run's ``data/``; credentials stripped), its digest the
-fingerprint of the token arrays (`workers.data.streams.TokenDataset.fingerprint`,
-computed from ``dataset.json`` alone: equal digests mean equal tokens), with the
-token counts and tokenizer as its profile. Logged once the run is created, which
+fingerprint of the tokens (`workers.data.streams.TokenDataset.fingerprint`, computed
+from ``dataset.json`` alone, the shards' checksums and splits: equal digests mean
+equal tokens), with the token counts and tokenizer as its profile. Logged once the run is created, which
 is after the data was prepared; a run whose data cannot be read logs none.
 """
 
@@ -66,8 +66,8 @@ def dataset_url(config: dict[str, Any], run_url: str) -> str:
 
 
 def dataset_digest(manifest: dict[str, Any]) -> str:
-    """The fingerprint of the token arrays, from ``dataset.json`` (the same hash as
-    `TokenDataset.fingerprint`)."""
+    """The fingerprint of the tokens, from ``dataset.json`` (the shards' checksums and
+    splits; the same hash as `TokenDataset.fingerprint`)."""
     from workers.data.manifest import manifest_fingerprint  # noqa: PLC0415
 
     return manifest_fingerprint(manifest)
@@ -163,11 +163,11 @@ def log_model(client: Any, uri: str | None, parent: str, run_url: str,
     once downloaded (``mlflow.artifacts.download_artifacts``). Plain files, not the
     MLflow transformers flavour: that flavour needs transformers in the train job and
     an AutoTokenizer, and a byte-tokenizer run has none. Returns a one-line summary."""
-    from diloco.run import open_exchange  # noqa: PLC0415 - torch
+    from diloco.run import open_run  # noqa: PLC0415 - torch
     from storage.objectstore import ObjectStore  # noqa: PLC0415
     from workers.export import export_run  # noqa: PLC0415
 
-    exchange = open_exchange(ObjectStore(run_url, storage_options=storage_options))
+    exchange = open_run(ObjectStore(run_url, storage_options=storage_options))
     with tempfile.TemporaryDirectory(prefix="diloco-model-") as tmp:
         done = export_run(exchange, Path(tmp) / "model", storage_options=storage_options)
         log_artifacts(client, uri, parent, done.out, "model")

@@ -1,6 +1,6 @@
 """Reading token shards lazily: blocks on demand, verified, through a small cache.
 
-A dataset of format 2 (`workers.data.manifest.ShardedManifest`) is a stream of
+A dataset (`workers.data.manifest.ShardedManifest`) is a stream of
 tokens: its shards, concatenated. `ShardReader` reads ranges of that stream:
 it fetches the checksum blocks the ranges touch (local files with ``os.pread``,
 remote ones with fsspec's ``cat_ranges``, all of a batch's missing blocks in one
