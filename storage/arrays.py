@@ -1,18 +1,55 @@
 """Immutable zarr arrays in an object store, verified on read.
 
-An array is encoded in memory with zarr (our block codecs or plain bytes, always
-with a crc32c per chunk), uploaded object by object through the ObjectStore (so
-bytes are counted and transient errors retried), and described by a small record:
-the objects written with their sizes and sha256. Readers fetch exactly the objects
-in the record and check sizes and hashes before zarr decodes anything: with zarr
-3.1 a missing chunk silently reads as the fill value, so presence is never inferred
-from a zarr read.
+Every array a run stores is an ordinary zarr v3 array, a ``zarr.json`` and its
+chunk objects ``c/...``: outer gradients in every codec, means and the parts of a
+sharded mean, the canonical state and its initial value, worker checkpoints.
+Each object is uploaded through the
+ObjectStore (so bytes are counted and transient errors retried) and described by
+a small record: the objects written with their sizes and sha256.
+
+What zarr gives
+---------------
+Self-describing arrays. ``zarr.json`` names the shape, dtype, chunk grid and
+codecs (the project's ``diloco.blockquant`` with its configuration, then crc32c),
+so any zarr reader opens any of these arrays with ``zarr.open_array`` once
+``storage.zarr_codec`` has registered the codec, and gets the values the
+project's own readers return, bit for bit (tests/test_zarr_interop.py holds this
+for every kind of array a run writes). A stored run can be inspected, or read by
+other tools, without this code's readers and without a format of our own.
+
+What the fast path does, and why
+--------------------------------
+zarr's own write runs every chunk through its codec pipeline with copies of the
+values and the bytes, and hands back only the stored bytes, while a worker needs
+the decoded value of what it sent at once (error feedback), and the aggregator
+sums many contributions without holding a decoded copy of each. So zarr
+describes the arrays and the project moves the bytes:
+
+* Writing: `encode_array` builds every chunk object of every array with one
+  function, `_encode_chunks`: the serializer's bytes (the codec's payload, or
+  the raw little-endian values of a lossless array), zarr's zero padding of the
+  last chunk included, followed by their crc32c, which is what zarr's
+  ``Crc32cCodec`` appends. The decoded value comes from the codec's round trip
+  of the same chunk. ``zarr.json`` is zarr's own, built once per shape, dtype,
+  codec and grid. Tests hold the objects byte-identical to zarr's write
+  (`encode_array_with_zarr`).
+* Reading a coded vector: `hold_vector` opens ``zarr.json`` with zarr and checks
+  that it names the project's codec and crc32c; `Coded` then decodes chunk by
+  chunk with `storage.codecs.decode`, the function the zarr codec itself calls,
+  into reused scratch, so it returns exactly what a zarr read returns.
+* Lossless arrays (checkpoints) and the parts of a sharded mean
+  are read through zarr (`read_array`).
+
+Readers fetch exactly the objects in the record and check sizes and hashes
+before anything is decoded: zarr reads a missing chunk as the fill value, so
+presence is never inferred from a zarr read.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import itertools
 import math
 from collections.abc import Iterator
@@ -77,14 +114,16 @@ def chunk_grid(n: int, spec: CodecSpec | None, parts: int = 1,
 
 
 def _zarr_array(objects: dict, shape: tuple[int, ...], dtype: np.dtype,
-                codec: CodecSpec | None, parts: int = 1, align: int = 64) -> zarr.Array:
+                codec: CodecSpec | None, chunks: tuple[int, ...]) -> zarr.Array:
+    """An empty zarr array in ``objects``: our codec (or zarr's raw bytes for a
+    lossless array), then crc32c."""
     kwargs = zarr_array_codecs(codec) if codec is not None else {
         "compressors": [zarr.codecs.Crc32cCodec()]
     }
     return zarr.create_array(
         store=MemoryStore(objects),
         shape=shape,
-        chunks=_chunks(shape, codec, parts, align),
+        chunks=chunks,
         dtype=dtype,
         fill_value=0,
         config={"write_empty_chunks": True},
@@ -93,11 +132,32 @@ def _zarr_array(objects: dict, shape: tuple[int, ...], dtype: np.dtype,
 
 
 @functools.lru_cache(maxsize=256)
-def _metadata(n: int, codec: CodecSpec) -> bytes:
-    """The zarr.json of a one-chunk coded vector of ``n`` values (cached)."""
+def _layout(shape: tuple[int, ...], dtype: np.dtype, codec: CodecSpec | None,
+            chunks: tuple[int, ...]) -> tuple[bytes, tuple[str, ...]]:
+    """(the ``zarr.json`` zarr writes, the names of the chunk objects in grid order)
+    of an array of ``shape`` and ``dtype`` cut into ``chunks``; cached, since a run
+    writes the same few layouts every round.
+
+    `_encode_chunks` writes what zarr's serializer and crc32c write; should zarr
+    choose other codecs for a dtype, this refuses it rather than store chunks that
+    zarr would read differently."""
     objects: dict = {}
-    _zarr_array(objects, (n,), np.dtype(np.float32), codec)
-    return objects["zarr.json"].to_bytes()
+    arr = _zarr_array(objects, shape, dtype, codec, chunks)
+    codecs = arr.metadata.codecs
+    serializer = BlockQuantCodec if codec is not None else zarr.codecs.BytesCodec
+    if (len(codecs) != 2 or not isinstance(codecs[0], serializer)
+            or not isinstance(codecs[1], zarr.codecs.Crc32cCodec)):
+        raise ValueError(f"zarr stores {dtype} arrays with codecs {codecs}; "
+                         f"only raw bytes or {ZARR_CODEC_NAME}, then crc32c, are written")
+    keys = tuple(arr.metadata.encode_chunk_key(coords)
+                 for coords in itertools.product(*(range(n) for n in arr.cdata_shape)))
+    return objects["zarr.json"].to_bytes(), keys
+
+
+def _metadata(n: int, codec: CodecSpec | None) -> bytes:
+    """The ``zarr.json`` of a vector of ``n`` float32 values (coded with ``codec``,
+    or lossless); `diloco.arithmetic` counts its bytes."""
+    return _layout((n,), np.dtype(np.float32), codec, _chunks((n,), codec))[0]
 
 
 def encode_array(
@@ -108,30 +168,21 @@ def encode_array(
 
     With ``codec`` (a 1-D float32 outer gradient), the decoded value is what every
     reader will get back, which the caller needs for error feedback. Without it the
-    array is stored losslessly in its own dtype (checkpoints).
-
-    A coded vector that fits one chunk (the usual case) is built directly: the
-    chunk is the codec's payload followed by its crc32c, exactly what zarr writes
-    (a test holds the two paths byte-identical), and the decoded value comes from
-    the codec's round trip instead of a second pass through zarr. ``parts``: cut
-    into a multiple of that many chunks (see `_chunks`), for a sharded aggregator.
+    array is stored losslessly in its own dtype (checkpoints) and is its own
+    decoded value. ``parts``: cut into a multiple of that many chunks (see
+    `_chunks`), for a sharded aggregator. The objects are those zarr writes for
+    ``x`` (module docstring), built without zarr's write path.
     """
     x = np.asarray(x, order="C")  # keeps 0-d arrays 0-d (ascontiguousarray would not)
     if not x.dtype.isnative:
         x = x.astype(x.dtype.newbyteorder("="))
     if codec is not None and (x.ndim != 1 or x.dtype != np.float32):
         raise ValueError(f"coded arrays are 1-D float32, got {x.dtype} {x.shape}")
-    if codec is not None and 0 < x.size <= MAX_CHUNK and parts <= 1:
-        payload, decoded = roundtrip(x, codec)
-        blobs = {f"{prefix}/zarr.json": _metadata(x.size, codec), f"{prefix}/c/0": _crc(payload)}
-    elif codec is not None and x.size:
-        blobs, decoded = _encode_chunks(prefix, x, codec, parts, align)
-    else:
-        objects: dict = {}
-        arr = _zarr_array(objects, x.shape, x.dtype, codec, parts, align)
-        arr[...] = x
-        decoded = np.asarray(arr[...]) if codec is not None else x
-        blobs = {f"{prefix}/{k}": v.to_bytes() for k, v in objects.items()}
+    chunks = _chunks(x.shape, codec, parts, align)
+    metadata, keys = _layout(x.shape, x.dtype, codec, chunks)
+    objects, decoded = _encode_chunks(x, codec, math.prod(chunks), len(keys))
+    blobs = {f"{prefix}/zarr.json": metadata}
+    blobs.update((f"{prefix}/{keys[c]}", objects.pop(c)) for c in range(len(keys)))
     record = {
         k[len(prefix) + 1 :]: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()}
         for k, b in blobs.items()
@@ -139,49 +190,68 @@ def encode_array(
     return blobs, record, decoded
 
 
-def _crc(payload: bytes) -> bytes:
-    """A zarr chunk of our codecs: the codec's payload followed by its crc32c."""
-    return payload + np.array([google_crc32c.value(payload)], dtype="<u4").tobytes()
+def _chunk_object(payload: bytes | np.ndarray) -> bytes:
+    """A stored zarr chunk: the serializer's bytes, then their crc32c (little-endian
+    uint32, as zarr's ``Crc32cCodec`` appends it). Built in a buffer sized up front,
+    whose ``getvalue`` hands the buffer over, so the payload is copied once."""
+    if isinstance(payload, np.ndarray):
+        payload = payload.view(np.uint8)  # 1-D, C-contiguous: its raw bytes
+    size = len(payload)
+    out = io.BytesIO()
+    out.seek(size + 3)
+    out.write(b"\0")
+    out.seek(0)
+    out.write(payload)
+    out.write(_checksum(payload))
+    return out.getvalue()
 
 
-def _encode_chunks(prefix: str, x: np.ndarray, codec: CodecSpec, parts: int,
-                   align: int) -> tuple[dict[str, bytes], np.ndarray]:
-    """A coded vector of several zarr chunks, chunk by chunk: each chunk's payload is
-    the codec's round trip written straight into the one decoded array, so the peak
-    is the input, the decoded value and the payloads (zarr's write and read back held
-    a second encoded copy and a decoded chunk besides). zarr pads the last chunk with
-    the fill value 0 to the full chunk length before encoding; so does this, so the
-    objects are zarr's byte for byte (a test holds the two paths equal)."""
-    n = x.size
-    (size,) = _chunks((n,), codec, parts, align)
-    objects: dict = {}
-    _zarr_array(objects, (n,), np.dtype(np.float32), codec, parts, align)  # zarr.json only
-    blobs = {f"{prefix}/zarr.json": objects["zarr.json"].to_bytes()}
-    count = -(-n // size)
-    # room for the last chunk's padding (under a block a chunk), so every chunk
-    # decodes straight into place; the padded last chunk goes first, while the
-    # pages of the rest are not yet touched, so its padded copy adds nothing to the peak
-    decoded = np.empty(count * size, np.float32)
-    payloads = {}
-    for c in [count - 1, *range(count - 1)]:
+def _checksum(payload: bytes | np.ndarray) -> bytes:
+    """The 4 bytes zarr's ``Crc32cCodec`` stores after a chunk's payload."""
+    return np.array([google_crc32c.value(payload)], "<u4").tobytes()
+
+
+def _encode_chunks(x: np.ndarray, codec: CodecSpec | None, size: int,
+                   count: int) -> tuple[dict[int, bytes], np.ndarray]:
+    """The ``count`` chunk objects of ``x`` (C order, ``size`` values a chunk: a
+    vector is cut along its length, any other array is one chunk) by grid index,
+    and the decoded value: ``x`` itself when lossless.
+
+    Coded, each chunk's payload is the codec's round trip written straight into
+    the one decoded array, so the peak is the input, the decoded value and the
+    payloads (zarr's write and read back held a second encoded copy and a
+    decoded chunk besides). zarr pads the last chunk with the fill value 0 to the
+    full chunk length before encoding; so does this. The padded last chunk goes
+    first, while the pages of the rest are not yet touched, so its padded copy
+    adds nothing to the peak; the decoded array has room for its padding (under
+    a block a chunk), so every chunk decodes straight into place."""
+    flat = x.reshape(-1)
+    n = flat.size
+    decoded = x if codec is None else np.empty(count * size, np.float32)
+    objects = {}
+    for c in [count - 1, *range(count - 1)] if count else []:
         lo, hi = c * size, min(n, (c + 1) * size)
-        part = x[lo:hi]
+        part = flat[lo:hi]
         if hi - lo < size:
-            part = np.zeros(size, np.float32)
-            part[: hi - lo] = x[lo:hi]
-        payloads[c] = _crc(roundtrip(part, codec, out=decoded[lo:lo + size])[0])
+            part = np.zeros(size, x.dtype)
+            part[: hi - lo] = flat[lo:hi]
+        if codec is None:
+            objects[c] = _chunk_object(part)
+        else:
+            objects[c] = _chunk_object(roundtrip(part, codec, out=decoded[lo:lo + size])[0])
         del part
-    blobs.update((f"{prefix}/c/{c}", payloads.pop(c)) for c in range(count))
-    return blobs, decoded[:n]
+    return objects, (x if codec is None else decoded[:n])
 
 
 def encode_array_with_zarr(
     prefix: str, x: np.ndarray, codec: CodecSpec | None = None, parts: int = 1,
     align: int = 64,
 ) -> dict[str, bytes]:
-    """The objects zarr itself writes for ``x`` (the reference for the fast paths)."""
+    """The objects zarr itself writes for ``x`` (the reference `encode_array` is
+    held to; nothing in a run writes through it)."""
+    x = np.asarray(x, order="C")
     objects: dict = {}
-    arr = _zarr_array(objects, x.shape, x.dtype, codec, parts, align)
+    arr = _zarr_array(objects, x.shape, x.dtype, codec, _chunks(x.shape, codec, parts, align))
     arr[...] = x
     return {f"{prefix}/{k}": v.to_bytes() for k, v in objects.items()}
 
@@ -213,7 +283,7 @@ def read_array(
     """
     label = what or store.full_url(prefix)
     arr = _open_verified(store, prefix, record, list(record), label)
-    # zarr 3.1 reads a chunk that is absent as the fill value: every chunk the array
+    # zarr reads a chunk that is absent as the fill value: every chunk the array
     # has must be in the record, or the read would silently produce zeros.
     if all(arr.shape):
         grid = itertools.product(*(range(n) for n in arr.cdata_shape))
@@ -305,7 +375,7 @@ class Coded:
         """Decode chunk ``c`` into ``out`` (``chunk_len`` values: zarr pads the last
         chunk), checked; returns how many of them are real."""
         payload = self.payloads[c]
-        if self.crcs[c] != np.array([google_crc32c.value(payload)], "<u4").tobytes():
+        if self.crcs[c] != _checksum(payload):
             raise CorruptObject(f"{self.label}: chunk c/{c} fails its crc32c check "
                                 f"(stored and computed checksum do not match)")
         try:
@@ -398,7 +468,7 @@ def hold_vector(
 def sumsq(value: np.ndarray, block: int = 1 << 16) -> float:
     """The float64 sum of squares of ``value``, a block at a time: no float64 copy of
     the whole vector, and no BLAS call (np.dot), whose threads spin on a busy
-    machine: measured 0.2 s for 8M values against 0.02 s."""
+    machine and make it several times slower."""
     total = 0.0
     buf = np.empty(min(block, value.size), np.float64)
     for i in range(0, value.size, block):
