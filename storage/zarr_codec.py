@@ -6,6 +6,12 @@ array-to-bytes codec ``diloco.blockquant`` (registered with zarr when this modul
 is imported); ``zarr_array_codecs`` adds a crc32c checksum to every chunk. A
 flipped byte in a stored chunk makes zarr's ``Crc32cCodec`` raise a plain
 ``ValueError`` ("Stored and computed checksum do not match") on read.
+
+So after ``import storage.zarr_codec`` a plain ``zarr.open_array`` on any array a
+run stored (a store at its prefix: local directory, fsspec URL or mapper) returns
+the values the project's readers return; the lossless arrays need nothing
+registered. storage/arrays.py writes the chunks and decodes coded vectors without
+zarr's pipeline, byte for byte what this codec writes and reads.
 """
 
 from __future__ import annotations
