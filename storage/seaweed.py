@@ -10,15 +10,16 @@ paying for the cloud.
 admin, and their gRPC ports) a free port of ``host``, and turns off WebDAV, the
 Iceberg and Lance catalogs and the admin UI, so that two servers (two test
 sessions; a test beside a ``diloco run --store local-s3``) never meet. The server
-is ready when it answers a signed ListBuckets, about a second after the launch.
+is ready when it answers a signed ListBuckets (how long that takes, and a stop:
+docs/local-s3.md, Figures).
 It runs in a session of its own, so a Ctrl-C in the terminal reaches the jobs
 (which then checkpoint into this store) and not the store under them; and it
 asks the kernel for a parent-death signal (``PR_SET_PDEATHSIG``, as
 storage/tied.py arranges), so it never outlives a killed test or
 command. `stop` sends SIGTERM to its process group and waits for a clean exit.
 
-What SeaweedFS 4.48 does, as measured with this module (tests/test_seaweed.py
-checks each point):
+What SeaweedFS does, and this module relies on (tests/test_seaweed.py checks each
+point; docs/local-s3.md names the version they were found with):
 
 - ``PutObject`` with ``If-None-Match: *`` on an existing key answers 412
   PreconditionFailed, also for a scoped identity: create-only commits work as on
@@ -376,9 +377,9 @@ class SeaweedFS:
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM to the server's process group, SIGKILL after ``timeout`` seconds;
-        then its sockets and temp files are removed. A clean stop takes about 2 s,
-        and up to 12 s when weed's maintenance worker is busy (weed waits 10 s for
-        its admin server)."""
+        then its sockets and temp files are removed. The default ``timeout`` leaves
+        room for a slow clean stop: a busy maintenance worker makes weed wait 10 s
+        for its admin server first (the times seen: docs/local-s3.md, Figures)."""
         running, self._running = self._running, None
         if running is None:
             return
