@@ -16,26 +16,15 @@ logged; it returns the counts, ``not_logged`` keeps them, and the train job writ
 own into the summary artifact. A job whose ``close()`` runs while an exception
 propagates ends its run FAILED.
 
-What a worker step pays, measured with ``.venv/bin/python -m benchmarks.bench_tracking``
-(defaults: 300 steps per phase, one ``worker_metrics`` call of 9 metrics per step, 10 ms
-apart; ``mlflow server`` on loopback behind a proxy that holds each request 200 ms,
-"slow", then with the proxy gone, "down"), on two shared cores (load 0.5 to 1), MLflow
-3.17; "old queue" is tracking/ as of commit 8e17894 run by the same script:
-
-    the call, median / p99          slow                down                close()
-    old queue (own thread), 3 runs  42-46 / 95-115 us   45-49 / 94-144 us   2.0-4.7 s
-    MLflow async + buffer, 5 runs   60-67 / 560-802 us  61-68 / 219-231 us  2.3-3.1 s
-
-Both are tens of microseconds a call; MLflow's queue costs about 20 us more, and its p99
-is higher: the call hands the batch to MLflow's thread pool, and while the server is
-slow the hooks' thread also sends the buffer (JSON of up to 1000 metrics, made while
-holding the GIL). Not logged, of the 2700 metrics after the proxy died: 2988-3375 (old)
-and 3033-3429 (new), what was on its way when it died included. One cost the old queue
-did not have: a process's exit waits for the requests MLflow's threads still have in
-flight (at most a window of 10 batches, sent in parallel before the outage was noticed):
-26 s measured when the server's port accepts and never answers (HTTP timeout 10 s, two
-retries), about 3 s when it refuses; none once those requests have failed. The old
-thread was simply abandoned at exit.
+What a worker step pays does not depend on the server: the call hands its batch to
+MLflow's thread pool and returns, whether the server is slow or down (the hooks'
+thread, which sends the buffer, holds the GIL while it makes a request's JSON, so
+the slowest calls are slower while the server is slow). The price of MLflow's queue
+over a thread of our own: a process's exit waits for the requests MLflow's threads
+still have in flight (at most `MetricSender`'s window of batches, sent before an
+outage was noticed), up to the HTTP timeout and retries when the server's port
+accepts and never answers; none once they have failed. The figures, and the command
+that measures them: docs/results.md, "Tracking: what a worker step pays".
 """
 
 from __future__ import annotations

@@ -5,17 +5,19 @@ A hook call whose run is known, while the server answers, hands its metrics to
 ``MlflowClient.log_batch(..., synchronous=False)``: MLflow's ``AsyncLoggingQueue``
 puts them in its queue, a thread of its own hands each batch to a pool of ten
 threads that send it, and the call returns a ``RunOperations``. What that queue
-does when the server is slow or away (MLflow 3.17; found by experiment, see
-``benchmarks/bench_tracking.py`` and the figures in `tracking.mlflow_hooks`):
+does when the server is slow or away (found by experiment with
+``benchmarks/bench_tracking.py``; the MLflow version it was found with is in
+docs/design.md, "Facts about the libraries", the times in docs/results.md,
+"Tracking: what a worker step pays"):
 
-- the call never blocks and never raises: about 20 us, also with nothing listening;
-- a batch that fails (after the HTTP client's own retries: about 3 s when the
-  port refuses, about 30 s when nothing answers) is dropped for good, with an
-  error in the log per batch; nothing is retried later, not even once the server
-  is back; only ``RunOperations.wait()`` raises;
+- the call never blocks and never raises, also with nothing listening;
+- a batch that fails (after the HTTP client's own retries: seconds when the port
+  refuses, the request timeout times the attempts when nothing answers) is dropped
+  for good, with an error in the log per batch; nothing is retried later, not even
+  once the server is back; only ``RunOperations.wait()`` raises;
 - the queue has no bound, and its flush (``set_terminated`` runs one) waits for
-  every batch in it, as does the process's exit: 200 queued batches with the
-  server down took 49 s to flush;
+  every batch in it, as does the process's exit: with the server down, a long
+  queue takes long to flush;
 - with ``MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS`` set it merges queued batches,
   but reports a failure only on the first batch of a merge (the others' wait()
   returns as if logged): leave it unset, so that every failed batch is seen.

@@ -7,7 +7,8 @@ CPU/memory/network metrics; they also need psutil), ``DILOCO_TRACKING_CLOSE_TIME
 (seconds a job's end waits for its tracking, 15).
 
 Nothing here imports MLflow: the jobs read these settings whether tracking is on
-or not, and importing MLflow costs a second.
+or not, and importing MLflow takes seconds (docs/results.md, "The diloco
+command's start-up").
 """
 
 from __future__ import annotations
