@@ -26,15 +26,15 @@ down codec's error, and its commit record.
 **Per run.** Rounds per fragment ``r_p = Schedule.rounds_in_run(T, alpha)`` (about
 T/H, plus a final round). Every party first reads the manifest and the P initial
 float32 fragments (with their commit records). Status: every party overwrites its
-status object at most once a second (``T t / status_every_s`` puts; about 0.1% of
-the bytes of the tiny recipe, but a request each).
+status object at most once a second (``T t / status_every_s`` puts: a small share
+of the bytes, but a request each).
 
 **Requests.** Per object one PUT or GET; a delta commit is preceded by an existence
 check (HEAD), a mean by one poll (GET that misses) per round at least; the aggregator
 lists the round's commits at least once per round. Class A (S3 pricing): PUT, LIST;
-class B: GET, HEAD. HTTP overhead per request: 1,300 B up and 750 B down, measured
-with s3fs against an S3 server through a counting proxy (benchmarks/results/
-traffic.json: 1.25-1.36 kB up, 0.71-0.78 kB down per request).
+class B: GET, HEAD. HTTP overhead per request: ``HTTP_UP`` bytes up and ``HTTP_DOWN``
+down, what s3fs's requests to an S3 server carry (measured through a counting proxy:
+docs/algorithms.md section 8).
 
 **Data-parallel.** A float32 ring all-reduce sends and receives
 ``2 (M-1)/M * 4N`` bytes per worker per step each way.
@@ -58,10 +58,12 @@ from diloco.config import MeanFrom, SyncConfig
 from storage.arrays import _chunks, _metadata
 from storage.codecs import CodecSpec, expected_nbytes
 
-HTTP_UP = 1300  # bytes of request line and headers per request (measured, see above)
+# Sizes rounded from what runs wrote and sent (docs/algorithms.md section 8 has the
+# measurements)
+HTTP_UP = 1300  # bytes of request line and headers per request
 HTTP_DOWN = 750  # bytes of response line and headers per request
-MANIFEST_BYTES = 3000  # run.json of a small model (2,767 B for the tests' 8x4 MLP)
-STATUS_BYTES = 400  # one status object (members/<w>/status.json: 275-365 B in a tiny run)
+MANIFEST_BYTES = 3000  # run.json of a small model
+STATUS_BYTES = 400  # one worker's status object (members/<w>/status.json)
 UTILISATION = 0.95
 _NONCE = "0123456789abcdef"
 _SHA = "0" * 64

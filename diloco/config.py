@@ -26,8 +26,7 @@ Late = Literal["fold", "decay", "drop"]
 
 # Outer optimizer defaults per mode (docs/algorithms.md sections 2 and 6). Blocking and
 # streaming use DiLoCo's 0.7 / 0.9. Stale updates and outer momentum do not mix
-# (measured: pure eager with momentum 0.9 is 16% behind data-parallel, with 0.5 or
-# with momentum 0 and lr 1.0 about 7%), so eager mode defaults to momentum 0.5.
+# (measured: docs/algorithms.md section 2), so eager mode defaults to momentum 0.5.
 OUTER_DEFAULTS: dict[str, tuple[float, float]] = {
     "diloco": (0.7, 0.9),
     "streaming": (0.7, 0.9),

@@ -282,7 +282,8 @@ def s3_filesystem(storage_options: dict[str, Any]) -> fsspec.AbstractFileSystem:
 
     The endpoint comes from ``endpoint_url`` or ``client_kwargs``, else from
     ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``. botocore would read those
-    itself (checked with s3fs 2026.9 / aiobotocore 3.10), but fsspec caches
+    itself (the versions this was checked with: docs/design.md, "Facts about the
+    libraries that the code relies on"), but fsspec caches
     filesystem instances by their options, so an endpoint left to the environment
     would let a later store with a different environment reuse a client pointed
     at the old endpoint. Writing it into the options makes it part of the key.

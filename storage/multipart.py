@@ -346,7 +346,9 @@ async def _read_into(stream: Any, out: memoryview, url: str) -> None:
     """Fill ``out`` from a response body, 1 MiB at most at a time: aiohttp hands a
     read its buffered chunks joined into one new ``bytes`` of up to the size asked,
     and allocations of many MiB that are freed at once stay in the allocator's
-    arenas (peak RSS 1.9x a 512 MiB object read in 16 MiB reads)."""
+    arenas: reads of many MiB at a time left a large read's peak RSS well above the
+    object's size (measured: docs/design.md, "Facts about the libraries that the
+    code relies on")."""
     pos = 0
     while pos < len(out):
         n = await stream.readinto(out[pos:pos + MIB])

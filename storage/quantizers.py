@@ -80,9 +80,10 @@ def _block_scales(x: np.ndarray, spec: BlockSpec, w: Work) -> tuple[np.ndarray, 
 
     Leaves |x| in w.f for fp4. The max is taken over uint32 bit patterns: for
     non-negative floats their order is the float order, NaN/inf blocks come out
-    >= 0x7f800000, and it is several times faster than numpy's NaN-aware float
-    max. ``reduceat`` over block starts is about 3x faster again than
-    ``max(axis=1)`` on a (nblocks, B) view, which pays iterator overhead per row.
+    >= 0x7f800000, and it is faster than numpy's NaN-aware float max.
+    ``reduceat`` over block starts is faster again than ``max(axis=1)`` on a
+    (nblocks, B) view, which pays iterator overhead per row (the timings:
+    docs/algorithms.md, "Block codecs, exactly").
     """
     m, b = x.size, spec.block_size
     nb = m // b
@@ -176,7 +177,7 @@ def _fp4_codes(x: np.ndarray, r: np.ndarray, w: Work, codes_out: np.ndarray) -> 
     bits = r.view(np.int32)
     np.add(bits, 0x7FFFFF, out=t)
     np.right_shift(t, 23, out=t)
-    np.clip(t, 0, 121, out=t)  # clip: numpy's scalar integer min/max are 3x slower
+    np.clip(t, 0, 121, out=t)  # clip: numpy's scalar integer min/max are slower
     np.add(bits, 0x3FFFFF, out=e)
     np.right_shift(e, 23, out=e)
     np.maximum(e, t, out=e)

@@ -3,9 +3,10 @@
 We keep our own model class (``workers.model.Transformer``) and translate: a user
 brings the config.json of a Llama, Mistral or Qwen2 model and trains our class with
 the same shapes; the export writes a config.json that ``transformers`` loads into
-the matching class. Building the transformers classes at run time would cost every
-worker process +2.5 s of import and +156 MB of memory for the same speed per step,
-so transformers is only a test dependency and nothing here imports it.
+the matching class. Building the transformers classes at run time would add
+transformers' import time and memory to every worker process for the same speed per
+step (measured by benchmarks/bench_model.py: docs/own-model.md, "The model"), so
+transformers is only a test dependency and nothing here imports it.
 
 Every key of the file is classified: mapped to a ModelConfig field, checked to be
 a value we honour (``hidden_act`` silu, ``pretraining_tp`` 1, ...), or harmless
@@ -31,7 +32,8 @@ ARCHITECTURES = {
 
 #: Keys that do not change the network: naming, tokens, generation defaults,
 #: output flags and the like (what LlamaConfig/MistralConfig/Qwen2Config.to_dict()
-#: emit in transformers 5.24, plus the generation keys older versions wrote).
+#: emit, plus the generation keys older versions wrote; the transformers version
+#: they were read from: docs/design.md, "Facts about the libraries").
 IGNORED = frozenset({
     "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
     "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",

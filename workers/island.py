@@ -16,8 +16,7 @@ more than one whole parameter beyond its shards; rank 0's host holds the mirror
 beside the outer state (both float32, the model's size each). Why this and not each
 rank handling its shards' part of every fragment: that would cut every contribution
 into per-rank pieces the store, the aggregator and the codecs would all have to know
-about, while the gather is cheap (measured: rank 0 gathering a 21 MiB fragment from
-2 CPU processes took 0.095 s).
+about, while the gather is cheap (measured: docs/worker.md, "Islands").
 
 Checkpoints of a sharded island are sharded too (`save_shards`): every rank writes
 its own shards of the model and the AdamW state with torch.distributed.checkpoint
@@ -49,7 +48,8 @@ from storage.retry import OutagePolicy, is_transient
 from workers import checkpoint
 
 if TYPE_CHECKING:  # FSDP, DTensor and DCP are imported where used: a replicated
-    # island, the usual worker, never needs them, and they cost 47 MiB per process
+    # island, the usual worker, never needs them, and they cost memory in every
+    # process (docs/worker.md, "Islands")
     from torch.distributed.checkpoint import CheckpointException
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,9 @@ def fixed_mmap_threshold(size: int = MMAP_THRESHOLD) -> bool:
     glibc raises its threshold to the size of any large block freed (up to 32 MiB),
     after which fragment-sized arrays (a send's delta and decoded value, a mean,
     allocated by the encoder and poller threads in arenas of their own) come from
-    heaps that keep their pages once freed: a ``small`` worker's peak RSS held ~200
-    MiB (2.5x the model) of freed memory. A fixed threshold keeps the small tensors of
+    heaps that keep their pages once freed, and a worker's peak RSS holds several
+    times the model's size of freed memory (measured: docs/worker.md, Memory). A
+    fixed threshold keeps the small tensors of
     a training step on the heap (reused step after step, no page faults) and sends
     the fragment-sized ones to the system. A ``MALLOC_MMAP_THRESHOLD_`` in the
     environment is the user's choice and wins."""
