@@ -29,6 +29,7 @@ import torch
 
 from diloco import rules
 from diloco.config import SyncConfig
+from diloco.overlap import AutoOverlap, FixedOverlap
 from storage.errors import BAD_CONTRIBUTION
 from storage.exchange import Exchange, Prepared, Published
 from storage.retry import outlast
@@ -127,16 +128,15 @@ class InFlight:
         stop: threading.Event | None = None,
         stop_patience_s: float = 10.0,
         on_stall: Callable[[int, int, float], None] | None = None,
-        on_arrival: Callable[[float, float], None] | None = None,
-        poll_max: Callable[[float, float], float] | None = None,
+        tau: FixedOverlap | AutoOverlap | None = None,
     ):
         """``on_wait(seconds)`` is told every time a merge waited for a mean;
         ``on_stall(fragment, round, seconds)`` every ``stall_after_s`` while one
-        waits; ``on_arrival(seconds, lag)`` when the mean of a round sent here
-        reaches this worker, the time since its send and how much of it the last
-        peer's send came after this worker's (`diloco.overlap` sizes tau by it);
-        ``poll_max(least, most)``: the longest pause between polls for a mean, else
-        ``poll_max_s``;
+        waits; ``tau`` (a fixed tau by default) is told, when the mean of a round
+        sent here reaches this worker, the time since its send and how much of it
+        the last peer's send came after this worker's (``tau.arrived``:
+        `diloco.overlap` sizes tau by it), and says the longest pause between polls
+        for a mean (``tau.poll_max``);
         ``stop`` and ``stop_patience_s`` as for `diloco.replica.Synchronizer`."""
         self.exchange = exchange
         self.worker = worker
@@ -151,10 +151,9 @@ class InFlight:
         self._abandon = stop
         self.stop_patience_s = stop_patience_s
         self.on_stall = on_stall
-        self.on_arrival = on_arrival
-        self.poll_max = poll_max
+        self.tau = tau or FixedOverlap(config.send_offset)
         #: overlap auto: read the tau proposals of each mean's contributions
-        self.agree = on_arrival is not None
+        self.agree = self.tau.agrees
         self._agreed: dict[tuple[int, int], int | None] = {}
         self._closed = threading.Event()
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix=f"enc-{worker}")
@@ -206,7 +205,7 @@ class InFlight:
 
     def _poll_mean(self, p: int, r: int, sent_at: float | None = None
                    ) -> tuple[np.ndarray, dict]:
-        """Poll until the mean of (p, r) is committed; ``on_arrival`` is told the time
+        """Poll until the mean of (p, r) is committed; ``tau.arrived`` is told the time
         since ``sent_at`` (and the lag behind the last peer's send) before the future
         is done, so a merge that waited on it finds the measurement in place."""
         delay = self.config.poll_interval_s
@@ -220,8 +219,8 @@ class InFlight:
                 lag = 0.0
                 if self.agree:
                     self._agreed[(p, r)], lag = self._proposals(p, r, got[1])
-                if latency is not None and self.on_arrival is not None:
-                    self.on_arrival(latency, lag)
+                if latency is not None:
+                    self.tau.arrived(latency, lag)
                 return got
             self._closed.wait(delay)
             delay = min(delay * 1.5, self._poll_max())
@@ -230,9 +229,7 @@ class InFlight:
     def _poll_max(self) -> float:
         """The longest pause between two polls for a mean (``overlap: auto``: one inner
         step, `diloco.overlap.AutoOverlap.poll_max`)."""
-        if self.poll_max is None:
-            return self.config.poll_max_s
-        return self.poll_max(self.config.poll_interval_s, self.config.poll_max_s)
+        return self.tau.poll_max(self.config.poll_interval_s, self.config.poll_max_s)
 
     def _proposals(self, p: int, r: int, commit: dict) -> tuple[int | None, float]:
         """The largest ``tau_next`` of the contributions the mean counted on time

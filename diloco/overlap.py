@@ -44,6 +44,7 @@ merge step is past the run's end keep ``overlap_start``: the run's round counts
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -55,6 +56,8 @@ LATENCY_WINDOW = 8
 LATENCY_QUANTILE = 0.75
 #: recent inner steps whose median is the step time
 STEP_WINDOW = 16
+
+log = logging.getLogger(__name__)
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -76,8 +79,56 @@ def decide_tau(latencies: Sequence[float], step_s: float | None, *, margin: floa
     return max(1, min(most, math.ceil(need)))
 
 
+class FixedOverlap:
+    """A fixed tau (``overlap: N``): the interface of `AutoOverlap`, deciding nothing,
+    so that the synchroniser and the pollers treat both alike."""
+
+    #: whether the workers agree on tau from the proposals in each mean's commit
+    agrees = False
+
+    def __init__(self, tau: int):
+        self.tau = tau
+
+    @property
+    def per_point(self) -> Callable[[int], int] | None:
+        """The schedule's tau lookup per merge point: None, every point's is ``tau``."""
+        return None
+
+    def tau_of(self, k: int) -> int:
+        return self.tau
+
+    def current(self, fragments: int) -> list[int]:
+        return [self.tau] * fragments
+
+    def stepped(self, waited_s: float) -> None:
+        """Nothing to measure."""
+
+    def arrived(self, latency_s: float, lag_s: float = 0.0) -> None:
+        """Nothing to measure."""
+
+    def poll_max(self, poll_min_s: float, poll_max_s: float) -> float:
+        return poll_max_s
+
+    def propose(self) -> int | None:
+        return None
+
+    def merged(self, k: int, agreed: int | None, *, worker: str = "") -> None:
+        """Nothing to decide."""
+
+    def ensure(self, k: int) -> None:
+        """Nothing to decide."""
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Nothing was decided."""
+
+
 class AutoOverlap:
     """One worker's tau decisions (per merge point) and the measurements behind them."""
+
+    agrees = True
 
     def __init__(self, stride: int, total_steps: int, *, start: int, margin: float,
                  clock: Callable[[], float] = time.monotonic):
@@ -90,6 +141,11 @@ class AutoOverlap:
         self.step_times: deque[float] = deque(maxlen=STEP_WINDOW)
         self._last_step: tuple[float, float] | None = None  # (clock, waited so far)
         self._step_s: float | None = None  # read by the pollers' threads
+
+    @property
+    def per_point(self) -> Callable[[int], int] | None:
+        """The schedule's tau lookup per merge point (`tau_of`)."""
+        return self.tau_of
 
     def tau_of(self, k: int) -> int:
         """The tau decided for merge point ``k`` (which must be decided)."""
@@ -136,13 +192,19 @@ class AutoOverlap:
         return decide_tau(list(self.latencies), self.step_s(), margin=self.margin,
                           start=self.start, most=self.most)
 
-    def merged(self, k: int, agreed: int | None) -> None:
+    def merged(self, k: int, agreed: int | None, *, worker: str = "") -> None:
         """Merge point ``k`` merged: point ``k + 1`` takes ``agreed`` (the largest
         proposal the mean of point ``k`` counted), else point ``k``'s tau. A point
-        decided already (a resumed worker replaying) keeps its decision."""
+        decided already (a resumed worker replaying) keeps its decision. A change is
+        logged (as ``worker``) with what this worker measured: the latencies a
+        decision reads."""
         if len(self.taus) == k:
             tau = self.taus[k - 1] if agreed is None else max(1, min(self.most, agreed))
             self.taus.append(self._beyond_end(k + 1, tau))
+            if self.taus[k] != self.taus[k - 1]:
+                log.info("worker %s: tau %d for merge point %d (was %d; own latencies %s s, "
+                         "inner step %.3f s)", worker, self.taus[k], k + 1, self.taus[k - 1],
+                         [round(x, 2) for x in self.latencies], self.step_s() or 0.0)
 
     def ensure(self, k: int) -> None:
         """Decide every merge point up to ``k`` not decided yet (after a rebase or an
@@ -169,3 +231,4 @@ class AutoOverlap:
         self.step_times.extend(float(x) for x in state.get("step_times", []))
         if self.step_times:
             self._step_s = sorted(self.step_times)[len(self.step_times) // 2]
+

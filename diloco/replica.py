@@ -28,9 +28,9 @@ from diloco.config import SyncConfig
 from diloco.fragments import FragmentPlan, to_device, to_host
 from diloco.inflight import InFlight, MergeAbandoned, Round
 from diloco.outer import OuterState
-from diloco.overlap import AutoOverlap
+from diloco.overlap import AutoOverlap, FixedOverlap
 from diloco.run import load_initial
-from diloco.schedule import Event, Schedule
+from diloco.schedule import Schedule
 from storage.errors import TransientStoreError
 from storage.exchange import Exchange
 from storage.spec import RunManifest
@@ -137,10 +137,12 @@ class Synchronizer:
         self.alpha = self.config.merge_alpha
         self.eager = self.config.mode == "eager"
         self.stats = SyncStats()
-        #: overlap auto: tau per merge point, decided from measured latencies
-        self.auto = None if not self.config.auto_overlap else AutoOverlap(
-            self.schedule.stride, self.total_steps, start=self.config.send_offset,
-            margin=self.config.overlap_margin)
+        #: tau: fixed, or per merge point from measured latencies (overlap: auto)
+        self.tau: FixedOverlap | AutoOverlap = FixedOverlap(self.schedule.overlap)
+        if self.config.auto_overlap:
+            self.tau = AutoOverlap(self.schedule.stride, self.total_steps,
+                                   start=self.config.send_offset,
+                                   margin=self.config.overlap_margin)
         init = load_initial(exchange, len(plan))
         #: where the outer state lives (sync.outer_device): the CPU or the model's device
         self.device = torch.device("cpu")
@@ -154,8 +156,7 @@ class Synchronizer:
         self.inflight = InFlight(exchange, worker, len(plan), self.config,
                                  self.stats.record_wait, stop=stop,
                                  stop_patience_s=stop_patience_s, on_stall=on_stall,
-                                 on_arrival=self.auto.arrived if self.auto else None,
-                                 poll_max=self.auto.poll_max if self.auto else None)
+                                 tau=self.tau)
         self._next_round = [0] * len(plan)
         self._tokens = 0
         self._tokens_at_send = [0] * len(plan)
@@ -184,8 +185,7 @@ class Synchronizer:
                 f"worker {self.worker}: step {self.stats.steps + 1} is past the run's "
                 f"total_steps = {self.total_steps}"
             )
-        events = self.schedule.events(self.stats.steps + 1,
-                                      self.auto.tau_of if self.auto else None)
+        events = self.schedule.events(self.stats.steps + 1, self.tau.per_point)
         for event in events:  # before anything moves: the caller may heal and redo
             if event.kind == "send" and heal and self._too_stale(event.fragment, event.round):
                 raise Behind(self.worker, event.fragment, event.round)
@@ -196,30 +196,18 @@ class Synchronizer:
                 self._send(event.fragment, event.round)
             else:
                 self._merge(event.fragment, event.round)
-        if self.auto is not None:
-            self.auto.stepped(self.stats.wait_seconds)
-            for event in events:
-                if event.kind == "merge":  # decide the next merge point's tau now
-                    self._decide_tau(event)
-
-    def _decide_tau(self, event: Event) -> None:
-        """``overlap: auto``: after merge point k, the tau of point k + 1 (logged when it
-        changes, with what this worker measured: the latency a decision reads)."""
-        k = event.step // self.schedule.stride
-        self.auto.merged(k, self.inflight.agreed_tau(event.fragment, event.round))
-        if len(self.auto.taus) > k and self.auto.taus[k] != self.auto.taus[k - 1]:
-            log.info("worker %s: tau %d for merge point %d (was %d; own latencies %s s, "
-                     "inner step %.3f s)", self.worker, self.auto.taus[k], k + 1,
-                     self.auto.taus[k - 1], [round(x, 2) for x in self.auto.latencies],
-                     self.auto.step_s() or 0.0)
+        self.tau.stepped(self.stats.wait_seconds)
+        for event in events:
+            if event.kind == "merge":  # after merge point k, decide the tau of k + 1
+                self.tau.merged(event.step // self.schedule.stride,
+                                self.inflight.agreed_tau(event.fragment, event.round),
+                                worker=self.worker)
 
     @property
     def overlaps(self) -> list[int]:
         """tau per fragment in force: the newest decided (``overlap: auto``), else
         the configured one."""
-        if self.auto is not None:
-            return self.auto.current(len(self.plan))
-        return [self.schedule.overlap] * len(self.plan)
+        return self.tau.current(len(self.plan))
 
     def _too_stale(self, p: int, r: int) -> bool:
         """Whether round ``r`` of ``p`` would be dropped: the mean ``max_staleness``
@@ -247,8 +235,7 @@ class Synchronizer:
         self.stats.steps = step
         self._next_round = list(rounds)
         self._tokens_at_send = [self._tokens] * len(self.plan)
-        if self.auto is not None:
-            self.auto.ensure(step // self.schedule.stride + 1)
+        self.tau.ensure(step // self.schedule.stride + 1)
         self.stats.rebases += 1
         log.info("worker %s: rebased to step %d, rounds %s", self.worker, step, rounds)
 
@@ -303,7 +290,7 @@ class Synchronizer:
         tokens = self._tokens - self._tokens_at_send[p]
         self._tokens_at_send[p] = self._tokens
         self.inflight.send(p, r, delta, tokens=tokens, final=final, step=self.stats.steps,
-                           tau_next=self.auto.propose() if self.auto else None)
+                           tau_next=self.tau.propose())
         self.stats.rounds_sent += 1
         log.debug("worker %s: sent fragment %d round %d", self.worker, p, r)
 
@@ -399,7 +386,7 @@ class Synchronizer:
             "outer": outer,
             **self.inflight.state_dict(copy),  # "residual" and "sent"
             **self.stats.state_dict(),
-            "overlap_auto": self.auto.state_dict() if self.auto else None,
+            "overlap_auto": self.tau.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -414,9 +401,9 @@ class Synchronizer:
             outer.load(saved["params"], saved["momentum"])
         self.inflight.load_state_dict(state)
         self.stats.load(state)
-        if self.auto is not None:  # the decided taus are replayed, not decided again
-            self.auto.load_state_dict(state.get("overlap_auto"))
-            self.auto.ensure(self.stats.steps // self.schedule.stride + 1)
+        # overlap auto: the decided taus are replayed, not decided again
+        self.tau.load_state_dict(state.get("overlap_auto"))
+        self.tau.ensure(self.stats.steps // self.schedule.stride + 1)
 
     # -- introspection -------------------------------------------------------------
     def outer_params(self, p: int) -> torch.Tensor:

@@ -164,23 +164,23 @@ def test_auto_overlap_hides_a_slow_exchange_that_tau_1_waits_for():
 
     one = _slow_run(1, delay=0.08, step_s=0.03, steps=72, on_step=record(1))
     auto = _slow_run("auto", delay=0.08, step_s=0.03, steps=72, on_step=record(0))
-    assert auto.traces["w0"].sync.auto.taus == auto.traces["w1"].sync.auto.taus
+    assert auto.traces["w0"].sync.tau.taus == auto.traces["w1"].sync.tau.taus
     for w in ("w0", "w1"):
         fixed, tuned = one.traces[w].sync, auto.traces[w].sync
-        assert tuned.auto.taus[:2] == [5, 5]  # overlap_start: H/P - 1
-        measured = tuned.auto.taus[2:-1]  # the last point merges past the run's end
-        assert measured and all(3 <= t <= 5 for t in measured), tuned.auto.taus
-        assert min(measured) < 5, tuned.auto.taus  # sized to the link, not the ceiling
-        assert tuned.overlaps == tuned.auto.current(2)
+        assert tuned.tau.taus[:2] == [5, 5]  # overlap_start: H/P - 1
+        measured = tuned.tau.taus[2:-1]  # the last point merges past the run's end
+        assert measured and all(3 <= t <= 5 for t in measured), tuned.tau.taus
+        assert min(measured) < 5, tuned.tau.taus  # sized to the link, not the ceiling
+        assert tuned.overlaps == tuned.tau.current(2)
         assert fixed.stats.rounds_merged == tuned.stats.rounds_merged
         # steps 37..72: six merges, each waiting ~0.05 s at tau = 1; with auto at most
         # one of them waits (a loaded machine can delay one mean past its tau)
         stalled_fixed, stalled_tuned = _stalled(waited[(1, w)]), _stalled(waited[(0, w)])
         assert len(stalled_fixed) >= 4, (stalled_fixed, fixed.stats.waits)
-        assert len(stalled_tuned) <= 1, (stalled_tuned, tuned.stats.waits, tuned.auto.taus)
+        assert len(stalled_tuned) <= 1, (stalled_tuned, tuned.stats.waits, tuned.tau.taus)
         late_fixed = waited[(1, w)][72] - waited[(1, w)][36]
         late_tuned = waited[(0, w)][72] - waited[(0, w)][36]
-        assert late_tuned < 0.5 * late_fixed, (tuned.stats.waits, tuned.auto.taus)
+        assert late_tuned < 0.5 * late_fixed, (tuned.stats.waits, tuned.tau.taus)
 
 
 def _stalled(waited: dict[int, float], first: int = 37, last: int = 72) -> list[int]:
@@ -193,7 +193,7 @@ def test_workers_with_different_links_agree_on_the_largest_proposal():
     contribution's commit, and after every merge point both take the largest
     proposal the mean counted, so they decide alike and send together."""
     res = _slow_run("auto", delay={"w0": 0.15, "w1": 0.02}, step_s=0.03, steps=48)
-    taus = [res.traces[w].sync.auto.taus for w in ("w0", "w1")]
+    taus = [res.traces[w].sync.tau.taus for w in ("w0", "w1")]
     assert taus[0] == taus[1] and max(taus[0]) >= 4, taus  # 0.15 / 0.03 = 5 steps
     ex = res.aggregator.exchange
     proposals = []
@@ -220,8 +220,8 @@ def test_a_slower_peer_does_not_make_tau_grow_to_the_ceiling():
     res = train_replicas(url(), Blocks, data, cfg, total_steps=96, inner_lr=0.05,
                          before_step=lambda w, s, sync: time.sleep(pace[w]),
                          wrap_exchange=lambda w, ex: SlowLink(ex, 0.05))
-    taus = res.traces["w0"].sync.auto.taus
-    assert taus == res.traces["w1"].sync.auto.taus
+    taus = res.traces["w0"].sync.tau.taus
+    assert taus == res.traces["w1"].sync.tau.taus
     measured = sorted(taus[2:-1])  # (the last point merges past the run's end)
     assert measured[len(measured) // 2] <= 6, taus
 
@@ -235,16 +235,16 @@ def test_a_resumed_worker_replays_its_decided_taus_and_ends_bit_exact():
 
     def record(worker, step, sync):
         if step == {"w0": 15, "w1": 20}[worker]:
-            seen[worker] = list(sync.auto.taus)
+            seen[worker] = list(sync.tau.taus)
 
     plain = _slow_run("auto", delay=0.3, step_s=0.0, steps=36)
     resumed = _slow_run("auto", delay=0.3, step_s=0.0, steps=36, on_step=record,
                         restart_at={"w0": 15, "w1": 20})
     for w in ("w0", "w1"):
         sync = resumed.traces[w].sync
-        assert sync.auto.taus[: len(seen[w])] == seen[w]
+        assert sync.tau.taus[: len(seen[w])] == seen[w]
         assert 5 in seen[w]
-        assert sync.auto.taus == plain.traces[w].sync.auto.taus
+        assert sync.tau.taus == plain.traces[w].sync.tau.taus
         assert plain.traces[w].losses == resumed.traces[w].losses
         for p in range(2):
             assert torch.equal(sync.outer_params(p), plain.traces[w].sync.outer_params(p))

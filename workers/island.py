@@ -119,7 +119,7 @@ class Island:
     def events(self, schedule: Schedule, step: int, sync) -> tuple[list[int], list[int]]:
         """(fragments with a send or merge at ``step``, fragments merged at it). With
         ``overlap: auto`` only rank 0 (``sync``) knows tau, so it tells the others."""
-        tau_of = sync.auto.tau_of if sync is not None and sync.auto is not None else None
+        tau_of = sync.tau.per_point if sync is not None else None
 
         def mine() -> tuple[list[int], list[int]]:
             evs = schedule.events(step, tau_of)
