@@ -320,9 +320,9 @@ def applied_tokens(ex) -> tuple[list[list[tuple[int, float, float, dict]]], floa
 
 def measure(name: str, url: str, t0: float, procs: list[Proc], events: list) -> dict:
     from diloco.audit import audit  # noqa: PLC0415
-    from diloco.run import open_exchange  # noqa: PLC0415
+    from diloco.run import open_run  # noqa: PLC0415
 
-    ex = open_exchange(url)
+    ex = open_run(url)
     per, t_end = applied_tokens(ex)
     fragments = len(per)
     tokens = sum(tok for rows in per for _, tok, _, _ in rows) / fragments
@@ -443,9 +443,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log.info("scenario %s", name)
             r = run_scenario(name, args, data, wd)
             if name == "fault-free":
-                from diloco.run import open_exchange  # noqa: PLC0415
+                from diloco.run import open_run  # noqa: PLC0415
 
-                ex = open_exchange(r["url"])
+                ex = open_run(r["url"])
                 curve = CanonicalEval(ex, r["url"]).curve(applied_tokens(ex)[0])
             log.info("%s: %.0f tokens applied in %.0f s, eval %.4f, audit %s", name,
                      r["applied_tokens"], r["wall_s"], r["eval_loss"], r["audit"])

@@ -66,7 +66,7 @@ from storage import layout
 from storage.codecs import CODEC_NAMES, CodecSpec, encoded_nbytes
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
-from storage.spec import CodecEntry, FragmentEntry, ParamEntry, RunManifest, create_run
+from storage.spec import CodecEntry, FragmentEntry, ParamEntry, RunManifest, write_manifest
 
 WORKERS = ("w0", "w1")
 TOKENS = {"w0": 3000, "w1": 1000}  # unequal on purpose: the mean is weighted 3:1
@@ -216,7 +216,7 @@ def bench(backend: Backend, n: int, codec_up: str, codec_down: str, repeats: int
     run_name = f"run-{codec_up}-{uuid.uuid4().hex[:6]}"
     run = admin.child(run_name)
     manifest = manifest_for(n, codec_up, codec_down)
-    create_run(run, manifest)
+    write_manifest(run, manifest)
     parties = {}
     for name in (*WORKERS, "agg"):
         store = ObjectStore(backend.url, storage_options=backend.storage_options, name=name)

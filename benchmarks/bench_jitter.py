@@ -63,11 +63,11 @@ def run_once(url: str, steps: int, strict: bool) -> dict[str, Any]:
 def outcome(url: str) -> dict[str, Any]:
     from benchmarks.contenders import canonical_eval  # noqa: PLC0415
     from diloco.audit import audit  # noqa: PLC0415
-    from diloco.run import load_canonical, open_exchange, plan_for  # noqa: PLC0415
+    from diloco.run import load_canonical, open_run, plan_for  # noqa: PLC0415
     from workers.config import RunConfig  # noqa: PLC0415
     from workers.model import build_model  # noqa: PLC0415
 
-    ex = open_exchange(url)
+    ex = open_run(url)
     cfg = RunConfig.model_validate(ex.manifest.config)
     model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)
     load_canonical(ex, plan_for(model, cfg.sync), model)

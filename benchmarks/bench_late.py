@@ -45,7 +45,7 @@ def train(url: str, cfg_overrides: list[str], late_every: int | None) -> dict[st
     every ``late_every``-th round (None: never)."""
     from benchmarks.contenders import canonical_eval  # noqa: PLC0415
     from diloco.aggregator import Aggregator  # noqa: PLC0415
-    from diloco.run import open_exchange  # noqa: PLC0415
+    from diloco.run import open_run  # noqa: PLC0415
     from workers.config import load_config  # noqa: PLC0415
     from workers.runs import create_run  # noqa: PLC0415
     from workers.train import WorkerLoop  # noqa: PLC0415
@@ -57,7 +57,7 @@ def train(url: str, cfg_overrides: list[str], late_every: int | None) -> dict[st
     def hold_back(p: int, r: int, w: str) -> bool:
         return late_every is not None and w == late_one and r % late_every == late_every - 1
 
-    agg, stop = Aggregator(open_exchange(url), hold_back=hold_back), threading.Event()
+    agg, stop = Aggregator(open_run(url), hold_back=hold_back), threading.Event()
     agg_thread = threading.Thread(target=agg.run, args=(stop, 7200), daemon=True)
     agg_thread.start()
     loops = [WorkerLoop(url, w) for w in cfg.workers]

@@ -170,10 +170,10 @@ def party(role: str, url: str, options: dict[str, Any]) -> dict[str, Any]:
 
     from storage.exchange import Exchange, weighted_sum  # noqa: PLC0415
     from storage.objectstore import ObjectStore  # noqa: PLC0415
-    from storage.spec import open_run  # noqa: PLC0415
+    from storage.spec import read_manifest  # noqa: PLC0415
 
     store = ObjectStore(url, storage_options=options)
-    ex = Exchange(store, open_run(store))
+    ex = Exchange(store, read_manifest(store))
     n, workers = ex.manifest.numel(0), ex.manifest.workers
     clock = StoreClock(store)
     out: dict[str, Any] = {"role": role}
@@ -256,11 +256,11 @@ def backend(name: str) -> Iterator[tuple[str, dict[str, Any], dict[str, str]]]:
 def exchange_round(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One fragment round on backend ``name``, every party a child process in turn."""
     from storage.objectstore import ObjectStore  # noqa: PLC0415
-    from storage.spec import create_run  # noqa: PLC0415
+    from storage.spec import write_manifest  # noqa: PLC0415
 
     up, down = ("topk2", "topk2") if args.peers else (args.up, args.down)
     with backend(name) as (url, options, env):
-        create_run(ObjectStore(url, storage_options=options),
+        write_manifest(ObjectStore(url, storage_options=options),
                    manifest(int(args.params), args.fragments, args.workers, up, down,
                             args.peers))
         t0 = time.perf_counter()

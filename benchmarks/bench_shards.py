@@ -39,7 +39,7 @@ from torch import nn
 
 from diloco.aggregator import Aggregator
 from diloco.config import SyncConfig
-from diloco.run import new_run, open_exchange
+from diloco.run import new_run, open_run
 from diloco.shards import ShardAggregator
 from storage.objectstore import ObjectStore
 
@@ -58,7 +58,7 @@ def make_run(root: str, shards: int, n: int, workers: int, codec: str, rounds: i
     names = [f"w{i}" for i in range(workers)]
     new_run(ObjectStore(root), _Flat(n), cfg, workers=names, total_steps=rounds,
             user_config={"aggregator": {"shards": shards}})
-    ex = open_exchange(ObjectStore(root))
+    ex = open_run(ObjectStore(root))
     total = 0
     for r in range(ex.manifest.rounds[0]):
         for i, w in enumerate(names):
@@ -71,7 +71,7 @@ def make_run(root: str, shards: int, n: int, workers: int, codec: str, rounds: i
 def _shard(root: str, shard: int, shards: int, poll_s: float, out: mp.Queue,
            ready: threading.Barrier) -> None:
     torch.set_num_threads(1)
-    ex = open_exchange(ObjectStore(root))
+    ex = open_run(ObjectStore(root))
     agg = (Aggregator(ex) if shards == 1 else ShardAggregator(ex, shard=shard))
     # every shard starts its clock together: one that is ready first would otherwise
     # time the others' interpreter start and loading as its wait for their checks

@@ -181,7 +181,7 @@ def run_processes(
     data-parallel) and the wall time from the start signal to the last result.
     """
     from diloco.aggregator import Aggregator  # noqa: PLC0415
-    from diloco.run import open_exchange  # noqa: PLC0415
+    from diloco.run import open_run  # noqa: PLC0415
     from storage.objectstore import ObjectStore  # noqa: PLC0415
 
     dp = contender.mode == "data-parallel"
@@ -207,7 +207,7 @@ def run_processes(
                 log_file.close()  # the child holds its own descriptor
         if not dp:
             on_round = (lambda rep: hooks.aggregator_round(asdict(rep))) if hooks else None
-            agg = Aggregator(open_exchange(ObjectStore(run_url, storage_options=storage_options,
+            agg = Aggregator(open_run(ObjectStore(run_url, storage_options=storage_options,
                                                        name="aggregator")), on_round=on_round)
 
             def aggregate() -> None:
@@ -275,12 +275,12 @@ def canonical_eval(run_url: str, cfg, storage_options: dict | None = None,
     on the CPU (or ``device``: a GPU evaluates in bf16 autocast, as its workers do)."""
     import torch  # noqa: PLC0415
 
-    from diloco.run import load_canonical, open_exchange, plan_for  # noqa: PLC0415
+    from diloco.run import load_canonical, open_run, plan_for  # noqa: PLC0415
     from workers.data.streams import open_dataset, val_batches  # noqa: PLC0415
     from workers.model import build_model  # noqa: PLC0415
     from workers.train import evaluate  # noqa: PLC0415
 
-    ex = open_exchange(run_url, storage_options)
+    ex = open_run(run_url, storage_options)
     model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)
     plan = plan_for(model, cfg.sync)
     load_canonical(ex, plan, model)

@@ -45,14 +45,14 @@ COMMON = ["sync.quorum=1.0", "train.eval_every=0", "train.checkpoint_every=0",
 def train(setup: str, url: str) -> None:
     """One run of ``setup`` to the end, in this process."""
     from diloco.aggregator import Aggregator  # noqa: PLC0415
-    from diloco.run import open_exchange  # noqa: PLC0415
+    from diloco.run import open_run  # noqa: PLC0415
     from workers.config import load_config  # noqa: PLC0415
     from workers.runs import create_run  # noqa: PLC0415
     from workers.train import WorkerLoop  # noqa: PLC0415
 
     cfg = load_config("tiny", [*SETUPS[setup], *COMMON])
     create_run(cfg, url)
-    agg, stop = Aggregator(open_exchange(url)), threading.Event()
+    agg, stop = Aggregator(open_run(url)), threading.Event()
     agg_thread = threading.Thread(target=agg.run, args=(stop, 7200), daemon=True)
     agg_thread.start()
     loops = [WorkerLoop(url, w) for w in cfg.workers]
@@ -69,9 +69,9 @@ def train(setup: str, url: str) -> None:
 
 def summarise(name: str, url: str) -> dict[str, Any]:
     from diloco.audit import norm_ratios  # noqa: PLC0415
-    from diloco.run import open_exchange  # noqa: PLC0415
+    from diloco.run import open_run  # noqa: PLC0415
 
-    rows = norm_ratios(open_exchange(url))
+    rows = norm_ratios(open_run(url))
     return {"run": name, "url": url, "means": len(rows),
             "max_over_params": max(r["max_over_params"] for r in rows),
             "median_over_params": sorted(r["median_over_params"] for r in rows)[len(rows) // 2],

@@ -375,10 +375,10 @@ def run_overrides(device: torch.device, data: str, steps: int, workers: list[str
 def train_in_threads(url: str, workers: list[str]) -> tuple[list, list, bool, float]:
     """Every worker in a thread, the aggregator in another: (results, loops, done, s)."""
     from diloco.aggregator import Aggregator  # noqa: PLC0415
-    from diloco.run import open_exchange  # noqa: PLC0415
+    from diloco.run import open_run  # noqa: PLC0415
     from workers.train import WorkerLoop  # noqa: PLC0415
 
-    agg, stop = Aggregator(open_exchange(url)), threading.Event()
+    agg, stop = Aggregator(open_run(url)), threading.Event()
     agg_thread = threading.Thread(target=agg.run, args=(stop, 600), daemon=True)
     agg_thread.start()
     loops = [WorkerLoop(url, w) for w in workers]
@@ -489,7 +489,7 @@ def streaming_section(device: torch.device, quick: bool, left: Callable[[], floa
     from benchmarks import timed_worker  # noqa: PLC0415
     from benchmarks.contenders import canonical_eval  # noqa: PLC0415
     from diloco.aggregator import Aggregator  # noqa: PLC0415
-    from diloco.run import open_exchange  # noqa: PLC0415
+    from diloco.run import open_run  # noqa: PLC0415
     from workers.config import load_config  # noqa: PLC0415
     from workers.runs import create_run  # noqa: PLC0415
 
@@ -508,7 +508,7 @@ def streaming_section(device: torch.device, quick: bool, left: Callable[[], floa
     url = str(root / "streaming")
     shutil.rmtree(url, ignore_errors=True)
     create_run(cfg, url)
-    agg, stop = Aggregator(open_exchange(url)), threading.Event()
+    agg, stop = Aggregator(open_run(url)), threading.Event()
     agg_thread = threading.Thread(target=agg.run, args=(stop, max(60.0, left())), daemon=True)
     agg_thread.start()
     env = {"BENCH_STAGES": "1"}

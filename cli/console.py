@@ -77,9 +77,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from flows.deploy import DeployError  # noqa: PLC0415
     from flows.launchers import LaunchError  # noqa: PLC0415
     from storage.backends import CredentialsInURL  # noqa: PLC0415
-    from storage.errors import ManifestInvalid, RunExists  # noqa: PLC0415
+    from storage.errors import (  # noqa: PLC0415
+        ManifestInvalid,
+        RunExists,
+        RunNotFound,  # noqa: PLC0415
+    )
+    from storage.reach import StoreUnreachable  # noqa: PLC0415
     from workers.config import ConfigError  # noqa: PLC0415 - torch
-    from workers.locate import RunNotFound, StoreUnreachable  # noqa: PLC0415 - torch
 
     return (ConfigError, RunNotFound, StoreUnreachable, RunExists, ManifestInvalid, DataError,
             DeployError, LaunchError, CredentialsInURL)

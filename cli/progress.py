@@ -47,9 +47,9 @@ class _Polling:
     more on exit; a subclass defines ``refresh()`` (read once, show what changed)
     and may add to `_started` / `_stopped`."""
 
-    def __init__(self, open_exchange: Any, console: Console, interval: float, name: str):
-        """``open_exchange()`` returns the run's Exchange (raises until it exists)."""
-        self.open_exchange = open_exchange
+    def __init__(self, open_run: Any, console: Console, interval: float, name: str):
+        """``open_run()`` returns the run's Exchange (raises until it exists)."""
+        self.open_run = open_run
         self.console = console
         self.interval = interval
         self._exchange: Exchange | None = None
@@ -90,8 +90,8 @@ class LiveProgress(_Polling):
     narrower than BAR_MIN, the names of the workers a stalled round waits for go
     (its duration stays), then the bar, then the time. The figures are never cut."""
 
-    def __init__(self, open_exchange: Any, console: Console, interval: float = 1.0):
-        super().__init__(open_exchange, console, interval, "live-progress")
+    def __init__(self, open_run: Any, console: Console, interval: float = 1.0):
+        super().__init__(open_run, console, interval, "live-progress")
         self.bar = BarColumn(bar_width=BAR_MAX)
         self.name = TextColumn("{task.description:<12}", table_column=Column(no_wrap=True))
         self.count = MofNCompleteColumn(table_column=Column(no_wrap=True))
@@ -113,7 +113,7 @@ class LiveProgress(_Polling):
 
     def refresh(self) -> None:
         if self._exchange is None:
-            self._exchange = self.open_exchange()
+            self._exchange = self.open_run()
             self.progress.remove_task(self._waiting)
             m = self._exchange.manifest
             for w in m.workers:
@@ -177,8 +177,8 @@ class PlainProgress(_Polling):
     the workers' totals, ``waited`` the longest any worker has waited for a mean.
     """
 
-    def __init__(self, open_exchange: Any, console: Console, interval: float = 1.0):
-        super().__init__(open_exchange, console, interval, "plain-progress")
+    def __init__(self, open_run: Any, console: Console, interval: float = 1.0):
+        super().__init__(open_run, console, interval, "plain-progress")
         self._lock = threading.Lock()
         self._rounds = 0
         self._evals: dict[str, Any] = {}
@@ -194,7 +194,7 @@ class PlainProgress(_Polling):
 
     def _refresh(self) -> None:
         if self._exchange is None:
-            exchange = self.open_exchange()
+            exchange = self.open_run()
             m = exchange.manifest
             self.say(f"{m.run_id}: {len(m.workers)} workers, {m.total_steps} steps, "
                      f"{sum(m.rounds)} rounds")

@@ -51,16 +51,17 @@ def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: 
     lines of the "where" table)."""
     quiet_logs(verbose)
     # Prefect and torch: imported here, after quiet_logs (see the package docstring).
+    from diloco.run import open_run  # noqa: PLC0415 - torch
     from flows.server import server_log, tie_temporary_server  # noqa: PLC0415
     from flows.train import train  # noqa: PLC0415
-    from workers.locate import open_run  # noqa: PLC0415
+    from storage.reach import REACH_POLICY  # noqa: PLC0415
 
     start = time.monotonic()
     where = shown(run_url)
     console.print(f"[bold]{'resuming' if resume else 'training'}[/] {where}  "
                   f"(Prefect: {prefect_hint()})", highlight=False)
     # bars in a terminal; piped or in CI, a plain line per round, eval and state
-    live = progress_for(console)(lambda: open_run(run_url, storage_options), console)
+    live = progress_for(console)(lambda: open_run(run_url, storage_options, retry=REACH_POLICY), console)
     state = None
     try:
         with live:
@@ -230,8 +231,9 @@ def _start(config: str, overrides: list[str], run_url: str | None, backend: Back
            verbose: bool, hints: list[tuple[str, str]] | None = None) -> None:
     """Resolve the run (its config, URL and dataset), then drive it."""
     # torch (see the package docstring)
+    from storage.reach import reach_store  # noqa: PLC0415
     from workers.config import load_config  # noqa: PLC0415
-    from workers.locate import absolute, new_run_url, reach_store, resolve_run  # noqa: PLC0415
+    from workers.locate import absolute, new_run_url, resolve_run  # noqa: PLC0415
     from workers.runs import continuation, ensure_dataset  # noqa: PLC0415
 
     try:
@@ -269,10 +271,11 @@ def _start(config: str, overrides: list[str], run_url: str | None, backend: Back
 
 
 def _exists(url: str) -> bool:
-    from workers.locate import open_run  # noqa: PLC0415 - torch
+    from diloco.run import open_run  # noqa: PLC0415 - torch
+    from storage.reach import REACH_POLICY  # noqa: PLC0415
 
     try:
-        open_run(url)
+        open_run(url, retry=REACH_POLICY)
         return True
     except Exception:  # noqa: BLE001
         return False
@@ -281,12 +284,13 @@ def _exists(url: str) -> bool:
 def open_named_run(run: str) -> tuple[str, Any]:
     """A run named on the command line: (its URL, its exchange); a clear error if the
     name resolves to nothing, the store is unreachable or holds no run."""
-    from workers.locate import open_run, reach_store, resolve_run  # noqa: PLC0415 - torch
+    from diloco.run import open_run  # noqa: PLC0415 - torch
+    from storage.reach import REACH_POLICY  # noqa: PLC0415
+    from workers.locate import resolve_run  # noqa: PLC0415
 
     try:
         url = resolve_run(run)
-        reach_store(url)
-        return url, open_run(url)
+        return url, open_run(url, retry=REACH_POLICY)
     except user_errors() as exc:
         raise fail(str(exc)) from None
 

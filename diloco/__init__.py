@@ -2,14 +2,14 @@
 
 The public API, usable from any PyTorch training loop::
 
-    from diloco import SyncConfig, Synchronizer, Aggregator, new_run, open_exchange, plan_for
+    from diloco import SyncConfig, Synchronizer, Aggregator, new_run, open_run, plan_for
 
     cfg = SyncConfig(mode="streaming", sync_every=50, fragments=2, overlap=1,
                      codec_up="int4", codec_down="int8")
     new_run("s3://bucket/runs/r1", model, cfg, workers=["eu", "us"], total_steps=1000)
 
     # in each region
-    ex = open_exchange("s3://bucket/runs/r1")
+    ex = open_run("s3://bucket/runs/r1")
     sync = Synchronizer(model, ex, "eu", plan_for(model, cfg))
     for batch in data:
         loss = model(batch).loss; loss.backward(); opt.step(); opt.zero_grad()
@@ -17,7 +17,7 @@ The public API, usable from any PyTorch training loop::
     sync.finish()
 
     # anywhere
-    Aggregator(open_exchange("s3://bucket/runs/r1")).run()
+    Aggregator(open_run("s3://bucket/runs/r1")).run()
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _PUBLIC = {
     "Synchronizer": "diloco.replica",
     "load_canonical": "diloco.run",
     "new_run": "diloco.run",
-    "open_exchange": "diloco.run",
+    "open_run": "diloco.run",
     "plan_for": "diloco.run",
     "plan_fragments": "diloco.fragments",
 }
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from diloco.config import SyncConfig
     from diloco.fragments import FragmentPlan, plan_fragments
     from diloco.replica import Synchronizer
-    from diloco.run import load_canonical, new_run, open_exchange, plan_for
+    from diloco.run import load_canonical, new_run, open_run, plan_for
     from diloco.schedule import Schedule
 
 
@@ -66,7 +66,7 @@ __all__ = [
     "Synchronizer",
     "load_canonical",
     "new_run",
-    "open_exchange",
+    "open_run",
     "plan_for",
     "plan_fragments",
 ]

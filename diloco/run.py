@@ -17,11 +17,14 @@ from diloco.config import SyncConfig
 from diloco.fragments import FragmentPlan, plan_fragments
 from diloco.schedule import Schedule
 from storage import layout
+from storage.backends import refuse_credentials
 from storage.checkpoints import committed_keys, read_checkpoint, write_checkpoint
-from storage.errors import ManifestInvalid, ObjectMissing
+from storage.errors import ManifestInvalid, ObjectMissing, RunNotFound
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
-from storage.spec import CodecEntry, RunManifest, create_run, open_run
+from storage.reach import patiently, reach_store, safe_url
+from storage.retry import RetryPolicy
+from storage.spec import CodecEntry, RunManifest, read_manifest, write_manifest
 
 
 def _store(url_or_store: str | ObjectStore, storage_options: dict | None) -> ObjectStore:
@@ -83,14 +86,39 @@ def new_run(
             {"params": plan.gather(model, p).numpy()},
             {"fragment": p},
         )
-    create_run(store, manifest)
+    write_manifest(store, manifest)
     return Exchange(store, manifest)
 
 
-def open_exchange(url_or_store: str | ObjectStore, storage_options: dict | None = None) -> Exchange:
-    """Open an existing run (validating its manifest)."""
-    store = _store(url_or_store, storage_options)
-    return Exchange(store, open_run(store))
+def open_run(url_or_store: str | ObjectStore, storage_options: dict | None = None, *,
+             patience_s: float = 0.0, retry: RetryPolicy | None = None,
+             what: str = "run") -> Exchange:
+    """The run at ``url_or_store``, its manifest validated: the one way every command,
+    job and script opens a run.
+
+    `RunNotFound` if there is no manifest there (`BucketMissing` instead when an S3
+    bucket does not exist, which is the likelier mistake), `CredentialsInURL` naming
+    ``what`` for a URL that carries credentials, `ManifestInvalid` for a manifest
+    that does not validate. A store outage is ridden out for ``patience_s`` (a job
+    started unattended; a command fails fast). ``retry``: the store's policy for
+    each request (a command passes `storage.reach.REACH_POLICY` to fail fast).
+    """
+    if isinstance(url_or_store, ObjectStore):
+        store = url_or_store
+    else:
+        refuse_credentials(url_or_store, what=what)
+        store = ObjectStore(url_or_store, storage_options=storage_options,
+                            **({"retry": retry} if retry else {}))
+    url = store.url
+    try:
+        return patiently(lambda: Exchange(store, read_manifest(store)), patience_s,
+                         f"open the run {safe_url(url)}")
+    except RunNotFound as exc:
+        if "://" in url and not url.startswith(("file://", "memory://")):
+            reach_store(url, storage_options, what=what, patience_s=patience_s)
+        given = url_or_store if isinstance(url_or_store, str) else url
+        raise RunNotFound(f"no run at {given} (its manifest run.json cannot be read)"
+                          ) from exc
 
 
 def load_initial(exchange: Exchange, fragments: int) -> list[torch.Tensor]:

@@ -26,7 +26,7 @@ from diloco import (
     Synchronizer,
     load_canonical,
     new_run,
-    open_exchange,
+    open_run,
     plan_for,
 )
 from storage.objectstore import ObjectStore
@@ -85,7 +85,7 @@ def main() -> None:
     print(f"run created at {url}: {cfg.mode}, H={cfg.sync_every}, P={cfg.fragments}, "
           f"tau={cfg.overlap}, up={cfg.codec_up}, down={cfg.codec_down}")
 
-    aggregator = Aggregator(open_exchange(url))
+    aggregator = Aggregator(open_run(url))
     stop = threading.Event()
     agg_thread = threading.Thread(target=aggregator.run, args=(stop,), daemon=True)
     agg_thread.start()
@@ -93,7 +93,7 @@ def main() -> None:
 
     def replica(i: int, name: str) -> None:
         model = Net()
-        sync = Synchronizer(model, open_exchange(ObjectStore(url, name=name)), name,
+        sync = Synchronizer(model, open_run(ObjectStore(url, name=name)), name,
                             plan_for(model, cfg))
         syncs[name] = sync
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
@@ -120,7 +120,7 @@ def main() -> None:
     wall = time.perf_counter() - start
 
     canonical = Net()
-    load_canonical(open_exchange(url), plan_for(canonical, cfg), canonical)
+    load_canonical(open_run(url), plan_for(canonical, cfg), canonical)
     alone = Net()
     opt = torch.optim.AdamW(alone.parameters(), lr=3e-3, weight_decay=0.0)
     for step in range(1, args.steps + 1):

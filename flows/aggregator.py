@@ -33,7 +33,7 @@ from prefect.exceptions import MissingContextError
 from prefect.states import Cancelled
 
 from diloco.aggregator import Aggregator, RoundReport, Stall
-from diloco.run import load_initial, plan_for
+from diloco.run import load_initial, open_run, plan_for
 from flows import launcher_gone
 from flows.control import cancel_request, shard_board, watching
 from flows.jobs import (
@@ -42,7 +42,6 @@ from flows.jobs import (
     close_hooks,
     flow_log,
     job_hooks,
-    open_job_run,
     print_result,
     refuse_secret_parameters,
     run_id_of,
@@ -53,6 +52,7 @@ from flows.jobs import (
 from storage import layout
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
+from storage.reach import JOB_START_PATIENCE_S, REACH_POLICY
 from tracking.hooks import Hooks
 from workers.memory import fixed_mmap_threshold
 from workers.report import TRAFFIC_KEYS, party_meter
@@ -133,7 +133,8 @@ def run_aggregator_job(
 ) -> dict[str, Any]:
     """Aggregate the run at ``run_url`` until every round is reduced or it is
     stopped; returns ``{"state", "rounds", "total_rounds", "rejected", "eval_loss"}``."""
-    exchange = open_job_run(run_url, storage_options)  # before anything is written
+    exchange = open_run(run_url, storage_options, patience_s=JOB_START_PATIENCE_S,
+                        retry=REACH_POLICY, what="run_url")  # before anything is written
     stop = stop or threading.Event()
     hooks = hooks or job_hooks(run_url, NAME, storage_options)
     status_store = ObjectStore(run_url, storage_options=storage_options, name="aggregator-status")
@@ -348,7 +349,8 @@ def run_shard_job(run_url: str, storage_options: dict | None = None, *, shard: i
     following until shard 0 has stopped (so the rounds it decided get their parts)."""
     from diloco.shards import ShardAggregator  # noqa: PLC0415
 
-    exchange = open_job_run(run_url, storage_options)
+    exchange = open_run(run_url, storage_options, patience_s=JOB_START_PATIENCE_S,
+                        retry=REACH_POLICY, what="run_url")
     if not 1 <= shard < exchange.shards:
         raise ValueError(f"--shard must be in 1..{exchange.shards - 1} for a run with "
                          f"aggregator.shards = {exchange.shards}, got {shard}")

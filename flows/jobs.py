@@ -21,11 +21,12 @@ from flows.shard_status import shard_state, shard_statuses, silent_for
 from storage.backends import (
     USE_THE_ENVIRONMENT,
     CredentialsInURL,
-    refuse_credentials,
     secret_options,
 )
+from storage.errors import RunNotFound
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
+from storage.reach import StoreUnreachable
 from tracking.hooks import Hooks
 from tracking.mlflow_hooks import hooks_for
 from workers.status import StatusBoard, read_status
@@ -43,33 +44,8 @@ EXIT_CODES = {"finished": EXIT_FINISHED, "left": EXIT_FINISHED, "interrupted": E
 
 
 def usage_errors() -> tuple[type[Exception], ...]:
-    """Errors in what a job was given (exit status 2, one line): nothing was written.
-    (`workers.locate` imports torch: not at import time, which the command shares.)"""
-    from workers.locate import RunNotFound, StoreUnreachable  # noqa: PLC0415
-
+    """Errors in what a job was given (exit status 2, one line): nothing was written."""
     return (CredentialsInURL, RunNotFound, StoreUnreachable)
-
-
-def open_job_run(run_url: str, storage_options: dict | None) -> Exchange:
-    """The run a job works on, opened before the job writes anything (a status, a
-    registration, MLflow runs): `CredentialsInURL` for a URL carrying credentials,
-    `BucketMissing` for an S3 bucket that does not exist, `RunNotFound` for a store
-    that holds no run there."""
-    from workers.locate import (  # noqa: PLC0415
-        JOB_START_PATIENCE_S,
-        RunNotFound,
-        open_run,
-        reach_store,
-    )
-
-    refuse_credentials(run_url, what="run_url")
-    try:  # a job rides out a store outage at start-up (the command fails fast)
-        return open_run(run_url, storage_options, patience_s=JOB_START_PATIENCE_S)
-    except RunNotFound:
-        if "://" in run_url and not run_url.startswith(("file://", "memory://")):
-            reach_store(run_url, storage_options, what="run_url",  # names a missing bucket
-                        patience_s=JOB_START_PATIENCE_S)
-        raise
 
 
 def refuse_secret_parameters(storage_options: dict | None) -> None:

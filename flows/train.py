@@ -34,6 +34,7 @@ from typing import Any, Literal, TypeVar
 from prefect import flow
 from prefect.states import Cancelled
 
+from diloco.run import open_run
 from flows.control import cancel_request, clear_cancel, request_cancel
 from flows.jobs import (
     as_task,
@@ -56,10 +57,11 @@ from flows.launchers import AGGREGATOR, DeploymentLauncher, Launcher, LocalLaunc
 from storage.backends import refuse_credentials
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
+from storage.reach import REACH_POLICY, is_url, reach_store
 from tracking.hooks import Hooks
 from workers import gc
 from workers.config import ConfigError, RunConfig, load_config
-from workers.locate import absolute, is_url, open_run, reach_store
+from workers.locate import absolute
 from workers.report import TRAIN, build_report, fraction_done, markdown, snapshot, table_rows
 from workers.runs import continuation, create_run, latest_run
 from workers.status import read_status
@@ -202,7 +204,7 @@ def _collect(exchange: Exchange, apply: bool) -> dict[str, Any] | None:
 
 def _reopen(run_url: str, storage_options: dict | None, store: ObjectStore) -> Exchange:
     """The run to resume, its cancel request withdrawn."""
-    exchange = open_run(run_url, storage_options)
+    exchange = open_run(run_url, storage_options, retry=REACH_POLICY)
     cleared = clear_cancel(store)
     if cleared:
         log.info("withdrew the cancel request of %s", cleared.get("requested"))
@@ -466,7 +468,7 @@ def train(
         run_url = Path(run_url).as_uri()
     if retried and not resume:
         try:
-            open_run(run_url, storage_options)
+            open_run(run_url, storage_options, retry=REACH_POLICY)
             resume = True  # attempt 1 created it; same jobs (same idempotency keys)
         except Exception:  # noqa: BLE001
             pass

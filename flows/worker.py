@@ -31,6 +31,7 @@ from typing import Any
 from prefect import flow
 from prefect.states import Cancelled
 
+from diloco.run import open_run
 from flows import launcher_gone
 from flows.control import cancel_request, watching
 from flows.jobs import (
@@ -39,7 +40,6 @@ from flows.jobs import (
     close_hooks,
     flow_log,
     job_hooks,
-    open_job_run,
     print_result,
     record_not_logged,
     refuse_secret_parameters,
@@ -49,6 +49,7 @@ from flows.jobs import (
     usage_errors,
 )
 from storage.objectstore import ObjectStore
+from storage.reach import JOB_START_PATIENCE_S, REACH_POLICY
 from tracking.hooks import Hooks
 from workers.status import read_status
 
@@ -88,7 +89,8 @@ def run_worker_job(
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if (join or claim) and nproc != 1:
         raise ValueError("a joining worker runs as one process (nproc 1)")
-    exchange = open_job_run(run_url, storage_options)  # before anything is written
+    exchange = open_run(run_url, storage_options, patience_s=JOB_START_PATIENCE_S,
+                        retry=REACH_POLICY, what="run_url")  # before anything is written
     if worker != "auto" and worker not in exchange.manifest.workers and not (
             join or joined_member(exchange.store, worker)):
         raise ValueError(f"worker {worker!r} is not one of the run's workers: "

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, from a checkout
 
 from diloco.aggregator import Aggregator
-from diloco.run import open_exchange
+from diloco.run import open_run
 from workers.config import ConfigError, load_config
 from workers.data.prepare import prepare_data
 from workers.runs import create_run
@@ -84,7 +84,7 @@ def configure(args: argparse.Namespace, root: Path):
 
 def train(cfg, url: str) -> tuple[list, list, bool, float]:
     """Every worker in a thread, the aggregator in another: (results, loops, done, s)."""
-    agg, stop = Aggregator(open_exchange(url)), threading.Event()
+    agg, stop = Aggregator(open_run(url)), threading.Event()
     agg_thread = threading.Thread(target=agg.run, args=(stop, 600), daemon=True)
     agg_thread.start()
     loops = [WorkerLoop(url, w) for w in cfg.workers]

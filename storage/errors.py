@@ -74,5 +74,10 @@ class ManifestInvalid(StoreError):
     """The run manifest is absent, unreadable, or does not validate."""
 
 
+class RunNotFound(ManifestInvalid):
+    """No run at the URL (its manifest ``run.json`` cannot be read) or under the name
+    given."""
+
+
 class AlreadyCommitted(StoreError):
     """A create-only commit lost the race: another writer committed first."""

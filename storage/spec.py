@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from storage.codecs import CodecSpec
-from storage.errors import ManifestInvalid, RunExists
+from storage.errors import ManifestInvalid, RunExists, RunNotFound
 from storage.layout import MANIFEST, check_name
 from storage.objectstore import ObjectStore
 
@@ -168,7 +168,7 @@ def _upgrade(data: Any) -> Any:
     return data
 
 
-def create_run(store: ObjectStore, manifest: RunManifest) -> None:
+def write_manifest(store: ObjectStore, manifest: RunManifest) -> None:
     """Write the manifest with a create-only write; refuse an existing run."""
     if not store.put_if_absent(MANIFEST, manifest.to_json()):
         raise RunExists(
@@ -177,13 +177,14 @@ def create_run(store: ObjectStore, manifest: RunManifest) -> None:
         )
 
 
-def open_run(store: ObjectStore) -> RunManifest:
+def read_manifest(store: ObjectStore) -> RunManifest:
     """Read and validate the manifest of the run at ``store``."""
     url = store.full_url(MANIFEST)
     try:
         raw = store.get(MANIFEST)
-    except Exception as exc:  # ObjectMissing, TransientStoreError, permission...
-        raise ManifestInvalid(f"cannot read the run manifest {url}: {exc}") from exc
+    except Exception as exc:  # ObjectMissing, TransientStoreError (the cause), permission...
+        raise RunNotFound(f"no run at {store.url} (its manifest run.json cannot be read: "
+                          f"{exc})") from exc
     try:
         data = json.loads(raw)
     except ValueError as exc:

@@ -328,11 +328,11 @@ class Snapshot:
 
 
 def snapshot(run_url: str, storage_options: dict | None = None) -> Snapshot:
-    from diloco.run import latest_global, open_exchange
+    from diloco.run import latest_global, open_run
     from storage import layout
     from storage.checkpoints import committed_keys, read_checkpoint
 
-    ex = open_exchange(run_url, storage_options)
+    ex = open_run(run_url, storage_options)
     final, means, weights, checkpoints, rejected = {}, {}, {}, {}, {}
     for p, n in enumerate(ex.manifest.rounds):
         latest = latest_global(ex, p)
@@ -395,11 +395,11 @@ def applied_once(s: Snapshot) -> list[str]:
 def round_arrays(run_url: str, fragment: int, round: int,
                  storage_options: dict | None = None) -> dict[str, np.ndarray]:
     """The canonical checkpoint of (fragment, round): params, momentum, residual."""
-    from diloco.run import open_exchange
+    from diloco.run import open_run
     from storage import layout
     from storage.checkpoints import read_checkpoint
 
-    ex = open_exchange(run_url, storage_options)
+    ex = open_run(run_url, storage_options)
     return read_checkpoint(ex.store, layout.global_commit(fragment, round))[0]
 
 
@@ -407,13 +407,13 @@ def canonical_eval(run_url: str, storage_options: dict | None = None) -> float:
     """The canonical model's mean loss on the run's validation batches."""
     import torch
 
-    from diloco.run import load_canonical, open_exchange, plan_for
+    from diloco.run import load_canonical, open_run, plan_for
     from workers.config import RunConfig
     from workers.data.streams import open_dataset, val_batches
     from workers.model import build_model
     from workers.train import evaluate
 
-    ex = open_exchange(run_url, storage_options)
+    ex = open_run(run_url, storage_options)
     cfg = RunConfig.model_validate(ex.manifest.config)
     model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)
     load_canonical(ex, plan_for(model, cfg.sync), model)

@@ -20,7 +20,7 @@ from torch import nn
 from diloco.aggregator import Aggregator
 from diloco.config import SyncConfig
 from diloco.replica import Synchronizer
-from diloco.run import new_run, open_exchange, plan_for
+from diloco.run import new_run, open_run, plan_for
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
 
@@ -106,7 +106,7 @@ def train_replicas(
             workers=list(workers), total_steps=total_steps)
     stop = threading.Event()
     if aggregate is None:
-        aggregator = Aggregator(open_exchange(ObjectStore(url, storage_options=storage_options)))
+        aggregator = Aggregator(open_run(ObjectStore(url, storage_options=storage_options)))
 
         def aggregate(stop: threading.Event) -> Aggregator:
             aggregator.run(stop, timeout)
@@ -116,7 +116,7 @@ def train_replicas(
 
     def work(worker: str) -> None:
         model = make_model()
-        ex = open_exchange(ObjectStore(url, storage_options=storage_options, name=worker))
+        ex = open_run(ObjectStore(url, storage_options=storage_options, name=worker))
         if wrap_exchange is not None:
             ex = wrap_exchange(worker, ex)
         sync = Synchronizer(model, ex, worker, plan_for(model, config), stop=stop,
@@ -145,7 +145,7 @@ def train_replicas(
                     state = sync.state_dict()
                     live = {k: v.detach().clone() for k, v in model.state_dict().items()}
                     sync.close()
-                    ex = open_exchange(
+                    ex = open_run(
                         ObjectStore(url, storage_options=storage_options, name=worker))
                     if wrap_exchange is not None:
                         ex = wrap_exchange(worker, ex)

@@ -15,7 +15,7 @@ import torch
 
 from diloco.aggregator import Aggregator
 from diloco.config import SyncConfig
-from diloco.run import open_exchange
+from diloco.run import open_run
 from replicas import Blocks, data, train_replicas
 from storage.arrays import encode_array
 from storage.exchange import Exchange, Prepared
@@ -62,7 +62,7 @@ def with_kills(u: str, kills: set[tuple[str, int, int]], restarts: list[int],
                 raise Killed(f"{stage} {p} {r}")
 
         while True:
-            agg = Aggregator(open_exchange(ObjectStore(u)), fault=fault, keep_checkpoints=keep)
+            agg = Aggregator(open_run(ObjectStore(u)), fault=fault, keep_checkpoints=keep)
             try:
                 agg.run(stop, 60.0)
                 return agg
@@ -87,7 +87,7 @@ def test_killed_aggregator_resumes_to_the_same_state(keep):
     assert len(restarts) == len(kills)
     assert state_hash(killed.aggregator) == state_hash(reference.aggregator)
     # a fresh aggregator opened on the finished run loads the same final state
-    assert state_hash(Aggregator(open_exchange(ObjectStore(u)))) == state_hash(
+    assert state_hash(Aggregator(open_run(ObjectStore(u)))) == state_hash(
         reference.aggregator)
     for w in ("w0", "w1"):
         assert killed.traces[w].losses == reference.traces[w].losses
@@ -102,14 +102,14 @@ def test_the_aggregator_keeps_only_the_newest_round_checkpoints():
     u = url()
 
     def aggregate(stop: threading.Event) -> Aggregator:
-        agg = Aggregator(open_exchange(ObjectStore(u)), keep_checkpoints=2)
+        agg = Aggregator(open_run(ObjectStore(u)), keep_checkpoints=2)
         agg.run(stop, 60.0)
         return agg
 
     res = train_replicas(u, Blocks, data, CFG, total_steps=STEPS, inner_lr=0.05,
                          aggregate=aggregate)
     store = ObjectStore(u)
-    ex = open_exchange(store)
+    ex = open_run(store)
     for p, rounds in enumerate(ex.manifest.rounds):
         under = store.list(f"global/frag/{p}")
         commits = sorted(k for k in under if k.endswith(".json") and k.count("/") == 3)
@@ -130,8 +130,8 @@ def test_two_aggregators_racing_publish_one_mean_each():
     rivals: list[Aggregator] = []
 
     def aggregate(stop: threading.Event) -> Aggregator:
-        a = Aggregator(open_exchange(ObjectStore(u)), name="agg-a")
-        b = Aggregator(open_exchange(ObjectStore(u)), name="agg-b")
+        a = Aggregator(open_run(ObjectStore(u)), name="agg-a")
+        b = Aggregator(open_run(ObjectStore(u)), name="agg-b")
         rivals.extend([a, b])
         tb = threading.Thread(target=b.run, args=(stop, 60.0))
         tb.start()
@@ -232,12 +232,12 @@ def test_quorum_after_deadline_goes_on_without_a_silent_worker():
 
     u = url()
     new_run(ObjectStore(u), Blocks(), cfg, workers=["w0", "w1", "w2"], total_steps=4)
-    ex = open_exchange(ObjectStore(u))
+    ex = open_run(ObjectStore(u))
     for r in range(2):
         for w in ("w0", "w1"):
             ex.publish_delta(0, r, w, np.full(ex.manifest.numel(0), 0.1, np.float32),
                              tokens=10)
-    agg = Aggregator(open_exchange(ObjectStore(u)))
+    agg = Aggregator(open_run(ObjectStore(u)))
     agg.run(timeout=10.0, poll_interval=0.02)
     for r in range(2):
         _, commit = ex.fetch_mean(0, r)
@@ -252,8 +252,8 @@ def test_aggregator_waits_for_every_worker_before_the_deadline(mode):
 
     u = url()
     new_run(ObjectStore(u), Blocks(), cfg, workers=["w0", "w1"], total_steps=2)
-    ex = open_exchange(ObjectStore(u))
+    ex = open_run(ObjectStore(u))
     ex.publish_delta(0, 0, "w0", np.zeros(ex.manifest.numel(0), np.float32), tokens=1)
-    agg = Aggregator(open_exchange(ObjectStore(u)))
+    agg = Aggregator(open_run(ObjectStore(u)))
     assert agg.poll_once() is False
     assert ex.fetch_mean(0, 0) is None

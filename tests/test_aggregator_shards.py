@@ -20,7 +20,7 @@ from torch import nn
 
 from diloco.aggregator import Aggregator
 from diloco.config import SyncConfig
-from diloco.run import latest_global, new_run, open_exchange
+from diloco.run import latest_global, new_run, open_run
 from diloco.shards import ShardAggregator
 from replicas import Blocks
 from storage import layout
@@ -46,7 +46,7 @@ def make_run(shards: int, bad: dict[tuple[int, int, str], str] | None = None,
     u = f"memory://shards/{uuid.uuid4().hex}"
     new_run(ObjectStore(u), model(), cfg, workers=list(WORKERS), total_steps=2 * ROUNDS,
             user_config={"aggregator": {"shards": shards}})
-    ex = open_exchange(ObjectStore(u))
+    ex = open_run(ObjectStore(u))
     for p, rounds in enumerate(ex.manifest.rounds):
         for r in range(rounds):
             for i, w in enumerate(WORKERS):
@@ -83,7 +83,7 @@ def spoil_last_chunk(prepared: Prepared) -> None:
 def aggregate(u: str, shards: int, fault=None) -> list[Aggregator]:
     """Run the aggregator (K = 1) or its K shards, each in its own thread, to the end."""
     if shards == 1:
-        agg = Aggregator(open_exchange(ObjectStore(u)))
+        agg = Aggregator(open_run(ObjectStore(u)))
         agg.run(timeout=20.0, poll_interval=0.01)
         return [agg]
     out: list[Aggregator | None] = [None] * shards
@@ -92,7 +92,7 @@ def aggregate(u: str, shards: int, fault=None) -> list[Aggregator]:
     def one(s: int) -> None:
         try:
             while True:
-                a = ShardAggregator(open_exchange(ObjectStore(u)), shard=s,
+                a = ShardAggregator(open_run(ObjectStore(u)), shard=s,
                                     fault=fault and (lambda st, p, r, s=s: fault(s, st, p, r)))
                 try:
                     a.run(timeout=20.0, poll_interval=0.01)
@@ -117,17 +117,17 @@ class Killed(Exception):
 
 
 def store_rounds(u: str) -> list[int]:
-    return open_exchange(ObjectStore(u)).manifest.rounds
+    return open_run(ObjectStore(u)).manifest.rounds
 
 
 def canonical(u: str) -> list[dict[str, np.ndarray]]:
-    ex = open_exchange(ObjectStore(u))
+    ex = open_run(ObjectStore(u))
     return [read_checkpoint(ex.store, latest_global(ex, p)[1])[0]
             for p in range(len(ex.manifest.fragments))]
 
 
 def means(u: str) -> list[tuple[np.ndarray, dict]]:
-    ex = open_exchange(ObjectStore(u))
+    ex = open_run(ObjectStore(u))
     return [ex.fetch_mean(p, r) for p in range(len(ex.manifest.fragments))
             for r in range(ex.manifest.rounds[p])]
 
@@ -159,7 +159,7 @@ def test_one_and_four_shards_give_the_same_bits():
 
 def test_a_shard_reads_only_its_own_chunk_objects():
     u = make_run(4)
-    ex = open_exchange(ObjectStore(u))
+    ex = open_run(ObjectStore(u))
     got: list[str] = []
     real = ex.store.get_many
 
@@ -185,7 +185,7 @@ def test_bad_contributions_are_rejected_by_every_shard_alike():
     aggregate(u1, 1)
     aggregate(u4, 4)
     assert_same_bits(u1, u4)
-    ex = open_exchange(ObjectStore(u4))
+    ex = open_run(ObjectStore(u4))
     assert list(ex.rejections(0, 1)) == ["w2"]
     assert ex.rejections(0, 1)["w2"].startswith("CorruptObject")
     assert list(ex.rejections(1, 2)) == ["w0"]
@@ -249,14 +249,14 @@ def test_shard_jobs_follow_shard_0_and_the_launchers_start_them():
             for s in (1, 2, 3)]
     for t in jobs:
         t.start()
-    ShardAggregator(open_exchange(ObjectStore(u4)), shard=0).run(timeout=20.0, poll_interval=0.01)
+    ShardAggregator(open_run(ObjectStore(u4)), shard=0).run(timeout=20.0, poll_interval=0.01)
     for t in jobs:
         t.join(20.0)
     assert [outs[s]["state"] for s in (1, 2, 3)] == ["finished"] * 3
     assert_same_bits(u1, u4)
     with pytest.raises(ValueError, match=r"--shard must be in 1\.\.3"):
         run_shard_job(u4, shard=4)
-    ex = open_exchange(ObjectStore(u4))
+    ex = open_run(ObjectStore(u4))
     snap = {"aggregator": {}, "workers": {}}
     assert to_launch(ex, snap)[:4] == ["aggregator", "aggregator-s1", "aggregator-s2",
                                        "aggregator-s3"]

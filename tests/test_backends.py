@@ -10,7 +10,7 @@ import torch
 
 from diloco.aggregator import Aggregator
 from diloco.config import SyncConfig
-from diloco.run import load_canonical, open_exchange, plan_for
+from diloco.run import load_canonical, open_run, plan_for
 from replicas import Blocks, data, train_replicas
 from storage.errors import RunExists
 from storage.objectstore import ObjectStore
@@ -25,7 +25,7 @@ def test_run_on_backend(store_url, mode):
                          storage_options=opts, timeout=120)
     agg = res.aggregator
     assert agg.done
-    ex = open_exchange(ObjectStore(url, storage_options=opts))
+    ex = open_run(ObjectStore(url, storage_options=opts))
     assert sum(ex.manifest.rounds) == len(agg.stats.rounds)
     # the canonical model in the store is the aggregator's
     model = Blocks()

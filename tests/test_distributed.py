@@ -17,7 +17,7 @@ import torch
 from test_worker import MICRO as WORKER_MICRO
 
 from diloco.aggregator import Aggregator
-from diloco.run import open_exchange
+from diloco.run import open_run
 from workers.config import load_config
 from workers.data.prepare import prepare_data
 from workers.runs import create_run
@@ -65,7 +65,7 @@ def run_island(tmp_path: Path, data_url: str, nproc: int) -> list[float]:
     cfg = load_config("tiny", [*MICRO, f"data.dataset={data_url}", "workers=[solo]",
                                "data.slots=1"])  # the whole data, as before data slots
     create_run(cfg, url)
-    agg = Aggregator(open_exchange(url))
+    agg = Aggregator(open_run(url))
     stop = threading.Event()
     t = threading.Thread(target=agg.run, args=(stop, 300))
     t.start()

@@ -12,7 +12,7 @@ import pytest
 from diloco.aggregator import Aggregator
 from diloco.audit import audit
 from diloco.membership import MembershipError, request_leave
-from diloco.run import open_exchange
+from diloco.run import open_run
 from storage import layout
 from storage.objectstore import ObjectStore
 from workers.config import load_config
@@ -46,7 +46,7 @@ class Run:
         self.url = url or f"memory://elastic/{uuid.uuid4().hex}"
         create_run(self.cfg, self.url)
         self.stop = threading.Event()
-        self.aggregator = Aggregator(open_exchange(self.url), slots=self.cfg.data.slot_count(
+        self.aggregator = Aggregator(open_run(self.url), slots=self.cfg.data.slot_count(
             len(self.cfg.workers)))
         self.agg = threading.Thread(target=self.aggregator.run, args=(self.stop, 300))
         self.agg.start()
@@ -108,7 +108,7 @@ def test_a_worker_joins_midway_and_its_rounds_are_applied(dataset):
     assert run.aggregator.done
     joined = run.results["region-c"]
     assert joined.state == "finished" and joined.steps == 48
-    ex = open_exchange(run.url)
+    ex = open_run(run.url)
     admission = ex.store.get(layout.admission("region-c"))
     assert b'"slot": 2' in admission  # the first free data slot after the two workers
     report = audit(ex)
@@ -130,7 +130,7 @@ def test_a_leaver_finishes_its_round_and_no_one_waits_for_it(dataset):
     run.wait()
     assert time.monotonic() - t0 < 60  # quorum 1.0 and 30 s of grace: no wait for it
     assert run.results["region-b"].state == "left"
-    ex = open_exchange(run.url)
+    ex = open_run(run.url)
     left = ex.store.get(layout.left("region-b"))
     assert b"last_rounds" in left
     report = audit(ex)
@@ -166,7 +166,7 @@ def test_heterogeneous_batches_are_weighted_by_tokens(dataset):
     for w in run.cfg.workers:
         run.start(w)
     run.wait()
-    ex = open_exchange(run.url)
+    ex = open_run(run.url)
     both = [c["weights"] for p in range(2) for r in range(ex.manifest.rounds[p])
             if set((c := ex.mean_commit(p, r))["weights"]) == {"region-a", "region-b"}]
     assert both
@@ -237,7 +237,7 @@ def test_a_fault_free_run_with_jitter_equals_the_strict_run(dataset):
     run.wait()
     for p in range(2):
         assert torch.equal(strict.aggregator.canonical(p), run.aggregator.canonical(p))
-    report = audit(open_exchange(run.url))
+    report = audit(open_run(run.url))
     _clean(report)
     assert report["applied_late"] == 0 and report["dropped_stale"] == 0
     assert run.aggregator.stats.late == 0 and strict.aggregator.stats.late == 0

@@ -30,7 +30,7 @@ from faults import ROOT, Jobs, env_for, fired, job_argv
 
 from diloco.audit import audit
 from diloco.membership import read_json, request_leave
-from diloco.run import open_exchange
+from diloco.run import open_run
 from storage import layout
 from storage.objectstore import ObjectStore
 from workers.config import load_config
@@ -122,7 +122,7 @@ def check_clean(where: Where, logs: Path, joiner: str | None = JOINER,
                 admitted_events: int = 1) -> dict:
     """The run finished, every contribution has one outcome, the joiner was
     admitted once (one admission, one ``admitted`` event across aggregators)."""
-    ex = open_exchange(where.url, where.options)
+    ex = open_run(where.url, where.options)
     for p, n in enumerate(ex.manifest.rounds):
         assert ex.mean_commit(p, n - 1) is not None, f"fragment {p} never finished"
     report = audit(ex)
@@ -217,7 +217,7 @@ def join_and_leave_trial(where: Where, data_url: str, tmp_path: Path, join_at: s
     left = read_json(store, layout.left("region-b"))
     assert left is not None and "last_rounds" in left, left
     assert (read_json(store, layout.member_status("region-b")) or {}).get("state") == "left"
-    ex = open_exchange(where.url, where.options)
+    ex = open_run(where.url, where.options)
     after = [(p, r) for p, last in enumerate(left["last_rounds"])
              for r in range(last + 1, ex.manifest.rounds[p])
              if "region-b" in (ex.mean_commit(p, r) or {}).get("weights", {})]
@@ -311,7 +311,7 @@ def test_a_lease_lapses_while_its_holder_is_stopped(where, data_url, tmp_path):
         assert step_of(store, "region-a") > stopped_at + 4, "region-a waited for region-b"
         jobs.wait()
     report = check_clean(where, tmp_path / "logs", joiner=None)
-    ex = open_exchange(where.url, where.options)
+    ex = open_run(where.url, where.options)
     without = [(p, r) for p, n in enumerate(ex.manifest.rounds) for r in range(n)
                if "region-b" not in (ex.mean_commit(p, r) or {}).get("weights", {})]
     assert without, "no round was reduced without the stopped worker"
@@ -345,7 +345,7 @@ def test_aggregator_restarted_during_a_join(boundary, where, data_url, tmp_path)
     # one takes that admission (no event): one admission object either way
     check_clean(where, tmp_path / "logs",
                 admitted_events=1 if boundary == "before-admission" else 0)
-    ex = open_exchange(where.url, where.options)
+    ex = open_run(where.url, where.options)
     status = read_json(ex.store, layout.member_status(JOINER)) or {}
     assert status.get("state") == "finished", status
 

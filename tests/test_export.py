@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from cli.app import app
 from diloco.aggregator import Aggregator
-from diloco.run import load_initial, open_exchange, plan_for
+from diloco.run import load_initial, open_run, plan_for
 from workers.config import load_config
 from workers.data.prepare import prepare_data
 from workers.export import canonical_model
@@ -49,7 +49,7 @@ def train(url: str, cfg) -> None:
     """The whole run in this process: the aggregator and two workers in threads."""
     create_run(cfg, url)
     stop = threading.Event()
-    agg = Aggregator(open_exchange(url), slots=cfg.data.slot_count(len(cfg.workers)))
+    agg = Aggregator(open_run(url), slots=cfg.data.slot_count(len(cfg.workers)))
     errors: list[BaseException] = []
 
     def work(name: str) -> None:
@@ -83,7 +83,7 @@ def trained(tmp_path_factory, dataset) -> Path:
 
 def rounds_of(run: Path) -> int:
     """Rounds every fragment of the finished run has."""
-    return min(open_exchange(str(run)).manifest.rounds)
+    return min(open_run(str(run)).manifest.rounds)
 
 
 def logits_ours(model, x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +111,7 @@ def test_export_loads_in_transformers_with_the_same_logits(in_process, trained, 
     assert not list(tmp_path.glob(".model*")), "no temporary directory is left behind"
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "llama"
-    canon = canonical_model(open_exchange(str(trained)))
+    canon = canonical_model(open_run(str(trained)))
     assert canon.rounds == total
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(logits_hf(out, x), logits_ours(canon.model, x),
@@ -120,7 +120,7 @@ def test_export_loads_in_transformers_with_the_same_logits(in_process, trained, 
 
 def test_round_n_is_that_rounds_model_and_a_missing_round_is_refused(
         in_process, trained, tmp_path):
-    ex = open_exchange(str(trained))
+    ex = open_run(str(trained))
     first = canonical_model(ex, 0)
     plan = plan_for(first.model, first.config.sync)
     for p, init in enumerate(load_initial(ex, len(plan))):
@@ -178,7 +178,7 @@ def test_sample_continues_the_prompt_reproducibly(in_process, trained):
     assert other.exit_code == 0 and other.stdout != one.stdout
     greedy = in_process.invoke(app, ["sample", str(trained), "--prompt", "ROMEO:",
                                      "--tokens", "8", "--temperature", "0"])
-    canon = canonical_model(open_exchange(str(trained)))
+    canon = canonical_model(open_run(str(trained)))
     ids = list(b"ROMEO:")
     for _ in range(8):
         ids.append(int(logits_ours(canon.model, torch.tensor([ids]))[0, -1].argmax()))
@@ -209,7 +209,7 @@ def test_the_finished_runs_model_is_an_mlflow_artifact(trained, tmp_path):
     got = Path(download_artifacts(run_id=parent, artifact_path="model", tracking_uri=uri,
                                   dst_path=str(tmp_path / "down")))
     x = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
-    canon = canonical_model(open_exchange(str(trained)))
+    canon = canonical_model(open_run(str(trained)))
     torch.testing.assert_close(logits_hf(got, x), logits_ours(canon.model, x),
                                atol=1e-4, rtol=1e-4)
     assert f"round {total}/{total}" in client.get_run(parent).data.tags["diloco.model"]
@@ -221,7 +221,7 @@ def test_a_checkpoint_pruned_while_read_is_looked_for_again(trained, monkeypatch
     from diloco import bootstrap
     from storage.errors import PartialObject
 
-    ex = open_exchange(str(trained))
+    ex = open_run(str(trained))
     cfg = canonical_model(ex).config
     real, calls = bootstrap.read_checkpoint, {"n": 0}
 

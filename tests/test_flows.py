@@ -17,16 +17,17 @@ import pytest
 import torch
 from cli_runs import alive
 
-from diloco.run import latest_global, load_canonical, load_initial, plan_for
+from diloco.run import latest_global, load_canonical, load_initial, open_run, plan_for
 from flows.control import CANCEL_KEY, cancel_request, read_launcher, request_cancel
 from flows.launchers import LocalLauncher
 from flows.train import JobFailed, run_train
 from storage.checkpoints import read_checkpoint
+from storage.errors import RunNotFound
 from tracking.hooks import Hooks
 from workers import checkpoint
 from workers.config import load_config
 from workers.data.prepare import prepare_data
-from workers.locate import RunNotFound, new_run_url, open_run, resolve_run
+from workers.locate import new_run_url, resolve_run
 from workers.model import build_model
 from workers.report import build_report, participation
 from workers.runs import continuation, create_run, latest_run
@@ -168,7 +169,7 @@ def test_cancel_mid_run_then_resume(data_url, tmp_path):
     assert g["rounds"] == g["total_rounds"] == sum(ex.manifest.rounds)
     # counted across the aggregator's restart; one round reduced without a worker that
     # was stopping for the cancel (the gate's grace ran out) may miss its contribution
-    assert g["participation"] >= 1.0 - 1.0 / (2 * g["total_rounds"]), g
+    assert g["expected"] - 1 <= g["on_time"] <= g["expected"], g
     # a kill between a round's checkpoint and the status write loses one count
     assert all(g["total_rounds"] - 1 <= n <= g["total_rounds"]
                for n in g["rounds_by_worker"].values()), g

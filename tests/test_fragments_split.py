@@ -17,7 +17,7 @@ from diloco.aggregator import Aggregator
 from diloco.bootstrap import canonical_after
 from diloco.config import SyncConfig
 from diloco.replica import Synchronizer
-from diloco.run import load_canonical, open_exchange, plan_for
+from diloco.run import load_canonical, open_run, plan_for
 from replicas import Blocks, data, train_replicas
 from storage.layout import MANIFEST
 from storage.objectstore import ObjectStore
@@ -61,7 +61,7 @@ def test_split_run_restarted_from_checkpoints_ends_with_the_same_bits(p):
                              aggregate=with_kills(u, kills, restarts))
     assert len(restarts) == len(kills)
     assert state_hash(resumed.aggregator) == state_hash(plain.aggregator)
-    assert state_hash(Aggregator(open_exchange(ObjectStore(u)))) == state_hash(
+    assert state_hash(Aggregator(open_run(ObjectStore(u)))) == state_hash(
         plain.aggregator)
     for w in ("w0", "w1"):
         assert plain.traces[w].losses == resumed.traces[w].losses
@@ -79,7 +79,7 @@ def test_the_canonical_model_reassembles_split_tensors(p):
     cfg = CONFIGS[p]
     u = url()
     res = train_replicas(u, Blocks, data, cfg, total_steps=STEPS, inner_lr=0.05)
-    ex = open_exchange(ObjectStore(u))
+    ex = open_run(ObjectStore(u))
     fresh = Blocks()
     plan = plan_for(fresh, cfg)
     assert min(load_canonical(ex, plan, fresh)) >= 2
@@ -106,7 +106,7 @@ def test_a_manifest_from_before_split_tensors_resumes_with_whole_tensors():
     old["config"] = {"sync": {k: v for k, v in old["sync"].items()}}
     store.put(MANIFEST, json.dumps(old).encode())
 
-    ex = open_exchange(store)
+    ex = open_run(store)
     assert ex.manifest.sync["split_tensors"] is False
     assert ex.manifest.config["sync"]["split_tensors"] is False
     resumed = SyncConfig(**ex.manifest.sync)
@@ -153,8 +153,8 @@ def test_a_continuation_with_other_fragments_starts_from_the_parents_model(tmp_p
     prepare_data(["builtin:shakespeare/tragedies/*"], data_url, max_bytes=20_000)
     parent_url = str(tmp_path / "parent")
     create_run(load_config("tiny", [*MICRO, f"data.dataset={data_url}"]), parent_url)
-    parent = canonical_model(open_exchange(parent_url), 0)  # reassembled from split pieces
-    described = open_exchange(parent_url).manifest.model_dump()["fragments"]
+    parent = canonical_model(open_run(parent_url), 0)  # reassembled from split pieces
+    described = open_run(parent_url).manifest.model_dump()["fragments"]
     assert any("slice" in p for f in described for p in f["params"])
 
     cfg = continuation(parent_url, child)

@@ -15,7 +15,7 @@ import pytest
 
 from diloco.gate import Gate, Inbox
 from diloco.membership import PROGRESS_MIN_S, START_PATIENCE_S, Roster
-from diloco.run import open_exchange
+from diloco.run import open_run
 from storage import layout
 from workers.config import load_config
 from workers.runs import create_run
@@ -44,7 +44,7 @@ def exchange(tmp_path_factory):
     prepare_data(["builtin:shakespeare"], data, max_bytes=50_000)
     url = f"memory://gate/{uuid.uuid4().hex}"
     create_run(load_config("tiny", [*MICRO, f"data.dataset={data}"]), url)
-    return open_exchange(url)
+    return open_run(url)
 
 
 class Setup:

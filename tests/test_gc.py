@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from cli_runs import SHORT, clean_env
 
-from diloco.run import open_exchange
+from diloco.run import open_run
 from storage.objectstore import ObjectStore
 from workers import gc as collecting
 
@@ -115,7 +115,7 @@ def test_gc_of_a_run_that_can_resume_keeps_what_resume_needs(run, tmp_path):
     orphan.mkdir()
     (orphan / "zarr.json").write_text("{}")
     payloads = deltas(run)
-    plan = collecting.plan(open_exchange(ObjectStore(str(run))), keep_worker=1)
+    plan = collecting.plan(open_run(ObjectStore(str(run))), keep_worker=1)
     assert not plan.finished
     assert {d.kind for d in plan.deletions} == {"worker checkpoints"}
     out = diloco(["gc", run.name, "--apply", "--worker-checkpoints", "1"], tmp_path)

@@ -249,9 +249,8 @@ def dataset() -> str:
 
 
 def test_init_from_starts_the_run_from_the_file_bit_for_bit(tmp_path, dataset):
-    from diloco.run import load_canonical, plan_for
+    from diloco.run import load_canonical, open_run, plan_for
     from workers.config import load_config
-    from workers.locate import open_run
     from workers.runs import create_run
 
     src = _llama_dir(tmp_path, tie_word_embeddings=False)

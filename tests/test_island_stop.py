@@ -20,7 +20,7 @@ import pytest
 from test_distributed import MICRO, ROOT, TORCHRUN, free_port
 
 from diloco.aggregator import Aggregator
-from diloco.run import open_exchange
+from diloco.run import open_run
 from storage.objectstore import ObjectStore
 from workers import checkpoint
 from workers.config import load_config
@@ -49,7 +49,7 @@ def running_run(tmp_path: Path, data_url: str, steps: int, *extra: str):
     cfg = load_config("tiny", [*MICRO, f"data.dataset={data_url}", "workers=[solo]",
                                "data.slots=1", f"train.steps={steps}", *extra])
     create_run(cfg, url)
-    agg, stop = Aggregator(open_exchange(url)), threading.Event()
+    agg, stop = Aggregator(open_run(url)), threading.Event()
     t = threading.Thread(target=agg.run, args=(stop, 600))
     t.start()
     try:

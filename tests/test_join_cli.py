@@ -238,8 +238,8 @@ def test_a_joiner_is_launched_with_join_and_its_claim():
 def test_resume_relaunches_joined_members_and_never_one_that_left(tmp_path):
     """What a start or `diloco resume` launches: the aggregator and every member that
     neither finished nor left, the workers that joined mid-run included."""
+    from diloco.run import open_run
     from flows.jobs import to_launch
-    from workers.locate import open_run
     from workers.report import snapshot
 
     run = create(tmp_path, "r")

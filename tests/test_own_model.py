@@ -21,7 +21,7 @@ from cli_runs import ROOT, SHORT, clean_env
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from cli.app import app
-from diloco.run import open_exchange
+from diloco.run import open_run
 from workers.config import load_config
 from workers.data.sources import resolve_sources
 from workers.export import canonical_model
@@ -98,7 +98,7 @@ def test_run_export_sample_with_your_own_config_tokenizer_and_shards(own, in_pro
     out = diloco(["run", "own.yaml", *short_run()], own)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = next((own / "runs").iterdir())
-    canon = canonical_model(open_exchange(str(run)))
+    canon = canonical_model(open_run(str(run)))
     assert canon.model.layers[0].attn.wq.bias is not None  # Qwen2's q/k/v biases
     assert canon.model.head is not None  # untied
 

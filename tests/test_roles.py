@@ -66,7 +66,7 @@ def test_every_key_the_layout_builds_is_declared_once_with_its_writer():
         layout.MANIFEST: "launcher",
         f"{layout.global_init(2)}.json": "launcher",
         f"{layout.global_init(2)}/5f0c/params/c/0": "launcher",
-        f"{layout.DATASET}/train/tokens/zarr.json": "launcher",
+        f"{layout.DATASET}/tokens/00000.bin": "launcher",
         layout.TRACKING: "launcher",
         layout.LAUNCHER_RECORD: "launcher",
         layout.member_status(layout.TRAIN): "launcher",
@@ -339,7 +339,7 @@ def test_a_worker_is_refused_another_workers_keys_and_the_mean(role_run, server)
     """Through the store the product uses: region-a, on its own credentials."""
     from storage.exchange import Exchange
     from storage.objectstore import ObjectStore, RetryPolicy
-    from storage.spec import open_run
+    from storage.spec import read_manifest
 
     srv, _, envs = server
     env = envs["worker:region-a"]
@@ -347,7 +347,7 @@ def test_a_worker_is_refused_another_workers_keys_and_the_mean(role_run, server)
                "endpoint_url": srv.endpoint_url, "client_kwargs": {"region_name": "us-east-1"}}
     store = ObjectStore(f"s3://{BUCKET}/{PREFIX}/{RUN}", storage_options=options,
                         retry=RetryPolicy(attempts=1))
-    exchange = Exchange(store, open_run(store))
+    exchange = Exchange(store, read_manifest(store))
     x = np.linspace(-1.0, 1.0, exchange.manifest.numel(0), dtype=np.float32)
     last = exchange.manifest.rounds[0] + 5  # a round the run never reached
     with pytest.raises(PermissionError):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from test_distributed import MICRO, data_url
 
-from diloco.run import open_exchange
+from diloco.run import open_run
 from flows.aggregator import run_aggregator_job, run_shard_job
 from storage import layout
 from tracking.hooks import Hooks
@@ -44,7 +44,7 @@ class Evals(Hooks):
 def contribute(url: str, stop: threading.Event) -> None:
     """The two workers' deltas, merge point by merge point (fragment 0 round 0,
     fragment 1 round 0, fragment 0 round 1, ...), each once the previous mean is in."""
-    ex = open_exchange(url)
+    ex = open_run(url)
     rounds, order = ex.manifest.rounds, []
     for r in range(max(rounds)):
         order += [(p, r) for p in range(len(rounds)) if r < rounds[p]]

@@ -14,7 +14,7 @@ import torch
 from diloco import rules
 from diloco.config import SyncConfig
 from diloco.inflight import InFlight
-from diloco.run import new_run, open_exchange
+from diloco.run import new_run, open_run
 from replicas import Blocks, data, train_replicas
 from storage.checkpoints import read_checkpoint
 from storage.codecs import roundtrip
@@ -98,7 +98,7 @@ def test_the_accumulator_decays_by_beta_before_the_next_outer_gradient():
     model = Blocks()
     store = ObjectStore(url())
     new_run(store, model, cfg, workers=["w0"], total_steps=8)
-    ex = open_exchange(store)
+    ex = open_run(store)
     flight = InFlight(ex, "w0", 1, cfg, on_wait=lambda s: None)
     n = ex.manifest.numel(0)
     g = torch.Generator().manual_seed(3)

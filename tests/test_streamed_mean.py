@@ -14,7 +14,7 @@ from test_aggregator_shards import WORKERS, make_run
 
 from diloco.aggregator import Aggregator
 from diloco.config import SyncConfig
-from diloco.run import open_exchange
+from diloco.run import open_run
 from storage import arrays
 from storage.exchange import weighted_sum
 from storage.objectstore import ObjectStore
@@ -54,7 +54,7 @@ def run_of(codec: str, bad: dict | None = None) -> str:
 def test_the_streamed_sum_has_the_bits_of_the_whole_arrays_sum(codec):
     """`weighted_sum` of contributions kept encoded, of decoded ones, and of both
     mixed (a peers-mean reader holds its own decoded) equals the old formula."""
-    ex = open_exchange(ObjectStore(run_of(codec)))
+    ex = open_run(ObjectStore(run_of(codec)))
     n = ex.manifest.numel(1)
     held = {w: ex.hold_delta(1, 0, w)[0] for w in WORKERS}
     assert len(held["w0"].chunks) >= 2 and n % held["w0"].chunk_len  # a padded last chunk
@@ -77,7 +77,7 @@ def test_the_aggregators_mean_is_the_old_mean_without_the_rejected(codec):
     contributions with the committed weights; with codec none, w2's round 1 of
     fragment 0 has a NaN in its last chunk only, is rejected and weighs nothing."""
     u = run_of(codec, {BAD: "nan"} if codec == "none" else None)
-    agg = Aggregator(open_exchange(ObjectStore(u)))
+    agg = Aggregator(open_run(ObjectStore(u)))
     agg.run(timeout=30.0, poll_interval=0.01)
     ex = agg.exchange
     for p, rounds in enumerate(ex.manifest.rounds):

@@ -223,14 +223,14 @@ def _lonely_worker(stop, patience: float, steps: int = 1):
     import threading  # noqa: PLC0415
 
     from diloco.replica import Synchronizer  # noqa: PLC0415
-    from diloco.run import new_run, open_exchange, plan_for  # noqa: PLC0415
+    from diloco.run import new_run, open_run, plan_for  # noqa: PLC0415
     from storage.objectstore import ObjectStore  # noqa: PLC0415
 
     cfg = SyncConfig(mode="diloco", sync_every=2, fragments=1)
     u = url()
     model = Blocks()
     new_run(ObjectStore(u), model, cfg, workers=["w0", "w1"], total_steps=4)
-    ex = open_exchange(ObjectStore(u, name="w0"))
+    ex = open_run(ObjectStore(u, name="w0"))
     sync = Synchronizer(model, ex, "w0", plan_for(model, cfg), stop=stop,
                         stop_patience_s=patience)
     sync.step(1)
@@ -296,7 +296,7 @@ def test_a_mean_arriving_within_the_stop_patience_is_merged():
     import threading  # noqa: PLC0415
 
     from diloco.aggregator import Aggregator  # noqa: PLC0415
-    from diloco.run import open_exchange  # noqa: PLC0415
+    from diloco.run import open_run  # noqa: PLC0415
     from storage.objectstore import ObjectStore  # noqa: PLC0415
 
     stop = threading.Event()
@@ -305,10 +305,10 @@ def test_a_mean_arriving_within_the_stop_patience_is_merged():
         _wait_until(lambda: sync.waiting_for == (0, 0))
         stop.set()
         # w1 contributes a zero delta and an aggregator reduces the round
-        ex1 = open_exchange(ObjectStore(u, name="w1"))
+        ex1 = open_run(ObjectStore(u, name="w1"))
         ex1.publish_delta(0, 0, "w1", torch.zeros_like(sync.outer_params(0)).numpy(),
                           tokens=1)
-        agg = Aggregator(open_exchange(ObjectStore(u, name="agg")))
+        agg = Aggregator(open_run(ObjectStore(u, name="agg")))
         _wait_until(lambda: agg.poll_once() or sync.waiting_for is None, timeout=30)
         t.join(30)
         assert outcome == {"merged": True}
@@ -324,14 +324,14 @@ def test_a_blocking_merge_waits_as_long_as_its_mean_is_late():
     import time  # noqa: PLC0415
 
     from diloco.aggregator import Aggregator  # noqa: PLC0415
-    from diloco.run import open_exchange  # noqa: PLC0415
+    from diloco.run import open_run  # noqa: PLC0415
     from storage.objectstore import ObjectStore  # noqa: PLC0415
 
     late_by = 0.5
     sync, t, outcome, u = _lonely_worker(None, patience=10.0, steps=3)
     try:
-        ex1 = open_exchange(ObjectStore(u, name="w1"))
-        agg = Aggregator(open_exchange(ObjectStore(u, name="agg")))
+        ex1 = open_run(ObjectStore(u, name="w1"))
+        agg = Aggregator(open_run(ObjectStore(u, name="agg")))
         zeros = torch.zeros_like(sync.outer_params(0)).numpy()
         for r in (0, 1):
             _wait_until(lambda r=r: sync.waiting_for == (0, r))

@@ -20,7 +20,7 @@ import torch
 from diloco.aggregator import Aggregator, Stall
 from diloco.config import SyncConfig
 from diloco.inflight import InFlight
-from diloco.run import new_run, open_exchange
+from diloco.run import new_run, open_run
 from replicas import Blocks
 from storage import layout
 from storage.errors import MisboundRecord, TransientStoreError
@@ -32,7 +32,7 @@ from storage.retry import outlast
 def make_run(cfg: SyncConfig, workers=("w0", "w1"), steps: int = 8) -> tuple[str, Exchange]:
     u = f"memory://trust/{uuid.uuid4().hex}"
     new_run(ObjectStore(u), Blocks(), cfg, workers=list(workers), total_steps=steps)
-    return u, open_exchange(ObjectStore(u))
+    return u, open_run(ObjectStore(u))
 
 
 def vec(ex: Exchange, value: float, p: int = 0) -> np.ndarray:
@@ -59,7 +59,7 @@ def test_a_commit_record_copied_to_another_round_is_rejected():
     _, ex = make_run(BLOCKING)
     for w, v in (("w0", 0.1), ("w1", 0.2)):
         ex.publish_delta(0, 0, w, vec(ex, v), tokens=10)
-    agg = Aggregator(open_exchange(ex.store))
+    agg = Aggregator(open_run(ex.store))
     assert agg.poll_once()
     ex.store.put_if_absent(layout.delta_commit(0, 1, "w0"),
                            ex.store.get(layout.delta_commit(0, 0, "w0")))
@@ -81,7 +81,7 @@ def test_a_mean_record_copied_to_another_round_is_refused():
     _, ex = make_run(BLOCKING)
     for w in ("w0", "w1"):
         ex.publish_delta(0, 0, w, vec(ex, 0.1), tokens=10)
-    Aggregator(open_exchange(ex.store)).poll_once()
+    Aggregator(open_run(ex.store)).poll_once()
     ex.store.put_if_absent(layout.mean_commit(0, 1), ex.store.get(layout.mean_commit(0, 0)))
     with pytest.raises(MisboundRecord):
         ex.fetch_mean(0, 1)
@@ -92,7 +92,7 @@ def test_the_norm_guard_rejects_a_huge_contribution():
     rejected and the mean is the other worker's alone; the canonical model stays
     finite and moves as much as a normal round moves it."""
     _, ex = make_run(BLOCKING, steps=6)
-    agg = Aggregator(open_exchange(ex.store))
+    agg = Aggregator(open_run(ex.store))
     for r in range(3):
         for w in ("w0", "w1"):
             x = vec(ex, 0.01 * (r + 1))
@@ -108,7 +108,7 @@ def test_the_norm_guard_rejects_a_huge_contribution():
     assert torch.isfinite(agg.canonical(0)).all()
     assert float(agg.canonical(0).abs().max()) < 10.0
     # a restarted aggregator reads the same history from the committed means
-    assert Aggregator(open_exchange(ex.store))._norms_of(0, 1) == pytest.approx(
+    assert Aggregator(open_run(ex.store))._norms_of(0, 1) == pytest.approx(
         [float(np.linalg.norm(vec(ex, 0.02)))] * 2)
 
 
@@ -117,7 +117,7 @@ def test_the_norm_guard_rejects_a_huge_contribution_in_round_zero():
     norm_guard_params (20) times the norm of the fragment's parameters, so
     it is rejected from round 0 (it used to be applied, and the model became 1e26)."""
     _, ex = make_run(BLOCKING, steps=4)
-    agg = Aggregator(open_exchange(ex.store))
+    agg = Aggregator(open_run(ex.store))
     for w in ("w0", "w1"):
         x = vec(ex, 0.05)
         if w == "w1":
@@ -137,7 +137,7 @@ def test_a_contribution_far_above_the_others_of_its_mean_is_rejected_from_round_
     (10) times the median of the three, so rejected; 9 times is accepted."""
     for factor, rejected in ((50.0, True), (9.0, False)):
         _, ex = make_run(BLOCKING, workers=("w0", "w1", "w2"), steps=4)
-        agg = Aggregator(open_exchange(ex.store))
+        agg = Aggregator(open_run(ex.store))
         for w, v in (("w0", 0.01), ("w1", 0.012), ("w2", 0.011 * factor)):
             ex.publish_delta(0, 0, w, vec(ex, v), tokens=10)
         assert agg.poll_once()
@@ -156,8 +156,8 @@ def test_a_token_claim_beyond_what_the_member_could_train_is_rejected():
     u = f"memory://trust/{uuid.uuid4().hex}"
     new_run(ObjectStore(u), Blocks(), BLOCKING, workers=["w0", "w1"], total_steps=4,
             user_config={"data": {"batch_size": 4, "seq_len": 8}, "optim": {"grad_accum": 1}})
-    ex = open_exchange(ObjectStore(u))
-    agg = Aggregator(open_exchange(ex.store))
+    ex = open_run(ObjectStore(u))
+    agg = Aggregator(open_run(ex.store))
     for r, claim in ((0, 6400), (1, 64)):
         ex.publish_delta(0, r, "w0", vec(ex, 0.1), tokens=64)
         ex.publish_delta(0, r, "w1", vec(ex, 0.2), tokens=claim)
@@ -174,7 +174,7 @@ def test_a_fragment_whose_every_contribution_is_rejected_halts_the_aggregator():
     from diloco.trust import HALT_AFTER_REJECTED, RunHalted  # noqa: PLC0415
 
     _, ex = make_run(BLOCKING, steps=2 * (HALT_AFTER_REJECTED + 1))
-    agg = Aggregator(open_exchange(ex.store))
+    agg = Aggregator(open_run(ex.store))
     for r in range(HALT_AFTER_REJECTED):
         for w in ("w0", "w1"):
             ex.publish_delta(0, r, w, vec(ex, 0.1), tokens=10)
@@ -188,7 +188,7 @@ def test_a_fragment_whose_every_contribution_is_rejected_halts_the_aggregator():
 
 def test_the_norm_guard_is_off_when_set_to_zero():
     _, ex = make_run(BLOCKING.model_copy(update={"norm_guard": 0.0}), steps=6)
-    agg = Aggregator(open_exchange(ex.store))
+    agg = Aggregator(open_run(ex.store))
     for r in range(3):
         for w in ("w0", "w1"):
             ex.publish_delta(0, r, w, vec(ex, 100.0 if (w, r) == ("w1", 2) else 0.01),
@@ -202,7 +202,7 @@ def test_a_round_with_every_contribution_rejected_is_not_a_step():
     weights, and the outer parameters and momentum stay as round 0 left them (a
     zero step would still move them through the momentum)."""
     _, ex = make_run(BLOCKING, steps=4)
-    agg = Aggregator(open_exchange(ex.store))
+    agg = Aggregator(open_run(ex.store))
     for w in ("w0", "w1"):
         ex.publish_delta(0, 0, w, vec(ex, 0.1), tokens=10)
     assert agg.poll_once()
@@ -234,7 +234,7 @@ def test_a_restarted_worker_goes_on_when_its_own_sent_round_is_unreadable():
         sent = inflight.get(0, 0)
         assert torch.equal(inflight.own(sent), torch.zeros(ex.manifest.numel(0)))
         ex.publish_delta(0, 0, "w1", vec(ex, 0.2), tokens=10)
-        Aggregator(open_exchange(ex.store)).poll_once()
+        Aggregator(open_run(ex.store)).poll_once()
         mean, commit = inflight.wait_mean(sent)
         assert commit["weights"] == {"w1": 1.0}
     finally:
@@ -269,7 +269,7 @@ def test_a_worker_waiting_for_a_mean_rides_out_an_outage():
                       final=False, step=2)
         ex.publish_delta(0, 0, "w1", vec(ex, 0.2), tokens=10)
         inflight.drain()
-        Aggregator(open_exchange(ex.store)).poll_once()
+        Aggregator(open_run(ex.store)).poll_once()
         mean, commit = inflight.wait_mean(inflight.get(0, 0))
         assert sorted(commit["weights"]) == ["w0", "w1"]
         assert flaky.failures >= 2
@@ -299,7 +299,7 @@ def test_a_stalled_round_is_reported_with_who_is_missing():
     cfg = BLOCKING.model_copy(update={"stall_after_s": 0.2, "deadline_s": 600.0})
     _, ex = make_run(cfg)
     reports: list[list[Stall]] = []
-    agg = Aggregator(open_exchange(ex.store), on_stall=reports.append)
+    agg = Aggregator(open_run(ex.store), on_stall=reports.append)
     ex.publish_delta(0, 0, "w0", vec(ex, 0.1), tokens=10)
     stop = threading.Event()
     t = threading.Thread(target=agg.run, args=(stop,), kwargs={"poll_interval": 0.02})
@@ -328,7 +328,7 @@ def test_a_dead_worker_costs_one_deadline_then_rounds_go_on_without_it():
     cfg = BLOCKING.model_copy(update={"deadline_s": 0.2, "absent_deadline_s": 0.0})
     assert cfg.quorum == 0.5
     _, ex = make_run(cfg, steps=6)
-    agg = Aggregator(open_exchange(ex.store))
+    agg = Aggregator(open_run(ex.store))
     ex.publish_delta(0, 0, "w0", vec(ex, 0.1), tokens=10)
     assert not agg.poll_once()
     time.sleep(0.25)
@@ -397,7 +397,7 @@ def test_a_checkpoint_write_that_fails_once_does_not_step_the_round_twice(monkey
         for r in range(2):
             for i, w in enumerate(("w0", "w1")):
                 ex.publish_delta(0, r, w, vec(ex, 0.1 * (i + 1) + 0.03 * r), tokens=10)
-        agg = Aggregator(open_exchange(ex.store))
+        agg = Aggregator(open_run(ex.store))
         real, failed = aggregator_module.write_checkpoint, []
 
         def flaky(*args, real=real, failed=failed, fail=fail, **kwargs):
@@ -424,7 +424,7 @@ def test_the_audit_ignores_commits_of_names_that_are_not_members():
     from diloco.audit import audit  # noqa: PLC0415
 
     _, ex = make_run(BLOCKING, steps=4)
-    agg = Aggregator(open_exchange(ex.store))
+    agg = Aggregator(open_run(ex.store))
     for r in range(2):
         for w in ("w0", "w1", "mallory"):
             ex.publish_delta(0, r, w, vec(ex, 0.1), tokens=10)
@@ -442,7 +442,7 @@ def test_the_audit_counts_a_late_contribution_as_late():
     from diloco.audit import audit  # noqa: PLC0415
 
     _, ex = make_run(BLOCKING.model_copy(update={"grace_s": 0.0, "late": "fold"}), steps=4)
-    agg = Aggregator(open_exchange(ex.store),
+    agg = Aggregator(open_run(ex.store),
                      hold_back=lambda p, r, w: (r, w) == (0, "w1"))
     for r in range(2):
         for w in ("w0", "w1"):
@@ -459,7 +459,7 @@ def test_a_contribution_exactly_at_the_norm_guard_is_used():
     of 2**-4 values equals 8 x the median norm of 2**-7 values exactly."""
     cfg = BLOCKING.model_copy(update={"norm_guard": 8.0, "norm_guard_warmup": 1})
     _, ex = make_run(cfg, steps=4)
-    agg = Aggregator(open_exchange(ex.store))
+    agg = Aggregator(open_run(ex.store))
     for w in ("w0", "w1"):
         ex.publish_delta(0, 0, w, vec(ex, 2.0**-7), tokens=10)
     assert agg.poll_once()
@@ -481,7 +481,7 @@ def test_a_worker_does_not_step_on_a_round_whose_every_contribution_was_rejected
     made: list[Aggregator] = []
 
     def aggregate(stop):
-        made.append(Aggregator(open_exchange(ObjectStore(url))))
+        made.append(Aggregator(open_run(ObjectStore(url))))
         honest = made[0].trust.claim
 
         def claim(p, k, w, tokens):
@@ -522,7 +522,7 @@ def test_a_late_contribution_is_dropped_by_default():
 
     _, ex = make_run(BLOCKING.model_copy(update={"grace_s": 0.0}), steps=4)
     assert ex.manifest.sync.get("late", "drop") == "drop"
-    agg = Aggregator(open_exchange(ex.store),
+    agg = Aggregator(open_run(ex.store),
                      hold_back=lambda p, r, w: (r, w) == (0, "w1"))
     for r in range(2):
         for w in ("w0", "w1"):

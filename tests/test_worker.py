@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from diloco.aggregator import Aggregator
-from diloco.run import open_exchange
+from diloco.run import open_run
 from storage.objectstore import ObjectStore
 from workers.config import load_config
 from workers.data.prepare import prepare_data
@@ -62,7 +62,7 @@ class Run:
         self.cfg = cfg
         create_run(cfg, self.url)
         self.stop = threading.Event()
-        self.aggregator = Aggregator(open_exchange(self.url))
+        self.aggregator = Aggregator(open_run(self.url))
         self.agg_thread = threading.Thread(target=self.aggregator.run, args=(self.stop, 120))
         self.agg_thread.start()
         self.losses: dict[str, dict[int, float]] = {w: {} for w in cfg.workers}
@@ -246,7 +246,7 @@ def test_sigterm_checkpoints_and_the_worker_resumes(tmp_path, dataset):
 
     def run_to_end(url, interrupt: bool):
         create_run(cfg, url)
-        agg = Aggregator(open_exchange(url))
+        agg = Aggregator(open_run(url))
         stop = threading.Event()
         t = threading.Thread(target=agg.run, args=(stop, 300))
         t.start()

@@ -112,13 +112,14 @@ def main(argv: list[str] | None = None) -> int:
 def _check_store(args: argparse.Namespace, opts: dict | None) -> None:
     """Before anything is written: no credentials in --run, a store that answers, a
     bucket that exists, and (to train or aggregate) a run at --run."""
+    from diloco.run import open_run  # noqa: PLC0415 - torch
     from storage.backends import CredentialsInURL, refuse_credentials  # noqa: PLC0415
-    from workers.locate import (  # noqa: PLC0415
+    from storage.errors import RunNotFound  # noqa: PLC0415
+    from storage.reach import (  # noqa: PLC0415
         JOB_START_PATIENCE_S,
-        RunNotFound,
+        REACH_POLICY,
         StoreUnreachable,
         is_url,
-        open_run,
         reach_store,
     )
 
@@ -128,7 +129,8 @@ def _check_store(args: argparse.Namespace, opts: dict | None) -> None:
             reach_store(args.run, opts, what="--run",  # a local one: makes the folder
                         patience_s=0.0 if args.create else JOB_START_PATIENCE_S)
         if not args.create:
-            open_run(args.run, opts, patience_s=JOB_START_PATIENCE_S)
+            open_run(args.run, opts, patience_s=JOB_START_PATIENCE_S, retry=REACH_POLICY,
+                     what="--run")
     except (CredentialsInURL, StoreUnreachable, RunNotFound) as exc:
         raise UsageError(str(exc)) from None
 
@@ -146,13 +148,13 @@ def _create(args: argparse.Namespace, opts: dict | None) -> int:
 
 def _aggregate(args: argparse.Namespace, opts: dict | None) -> int:
     from diloco.aggregator import Aggregator  # noqa: PLC0415
-    from diloco.run import open_exchange  # noqa: PLC0415
+    from diloco.run import open_run  # noqa: PLC0415
     from storage.objectstore import ObjectStore  # noqa: PLC0415
     from workers.status import StatusBoard  # noqa: PLC0415
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    ex = open_exchange(ObjectStore(args.run, storage_options=opts))  # a run, or nothing written
+    ex = open_run(ObjectStore(args.run, storage_options=opts))  # a run, or nothing written
     board = StatusBoard(ObjectStore(args.run, storage_options=opts, name="status"), "aggregator")
     board.register()
     total = sum(ex.manifest.rounds)

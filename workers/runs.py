@@ -17,16 +17,17 @@ import logging
 import re
 from collections.abc import Callable
 
-from diloco.run import load_canonical, new_run, plan_for
+from diloco.run import load_canonical, new_run, open_run, plan_for
 from storage import layout
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
+from storage.reach import REACH_POLICY
 from workers.config import ConfigError, RunConfig, load_config
 from workers.data.errors import DatasetMissing
 from workers.data.prepare import prepare_data
 from workers.data.streams import TokenDataset, WorkerStream, check_val, open_dataset
 from workers.hf_weights import load_hf_state_dict, read_safetensors
-from workers.locate import absolute, open_run
+from workers.locate import absolute
 from workers.model import Transformer, build_model, describe
 from workers.report import snapshot
 from workers.tokenizer import load_tokenizer
@@ -117,7 +118,7 @@ def create_run(
             _load_pretrained(model, cfg.model.init_from, storage_options)
     ensure_dataset(cfg, run_url, storage_options=storage_options, progress=progress)
     if built and init_from:
-        parent = open_run(init_from, storage_options)
+        parent = open_run(init_from, storage_options, retry=REACH_POLICY)
         # the parent's own fragments (its P, or whole tensors for a run from before
         # fragments could split them), which the continuation may change
         parent_sync = RunConfig.model_validate(parent.manifest.config).sync
@@ -158,7 +159,7 @@ def latest_run(store: str, name: str, storage_options: dict | None = None) -> st
     for candidate in (n for n in names if pattern.match(n)):
         url = f"{root.url.rstrip('/')}/{candidate}"
         try:
-            snap = snapshot(open_run(url, storage_options))
+            snap = snapshot(open_run(url, storage_options, retry=REACH_POLICY))
         except Exception:  # noqa: BLE001 - not a run, or half-created
             continue
         if snap["aggregator"].get("state") == "finished":
@@ -171,7 +172,7 @@ def continuation(parent_url: str, overrides: list[str] | None = None,
                  storage_options: dict | None = None) -> RunConfig:
     """The config of a run continuing ``parent_url``: its config, the overrides,
     ``train.steps = extra_steps``, its dataset, and a new data seed."""
-    parent = open_run(parent_url, storage_options)
+    parent = open_run(parent_url, storage_options, retry=REACH_POLICY)
     tree = dict(parent.manifest.config)
     cfg_parent = RunConfig.model_validate(tree)
     items = list(overrides or [])

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from diloco.replica import Behind, MergeAbandoned, Synchronizer
-from diloco.run import load_initial, open_exchange, plan_for
+from diloco.run import load_initial, open_run, plan_for
 from diloco.schedule import Schedule
 from storage.objectstore import ObjectStore
 from storage.retry import outlast
@@ -137,13 +137,13 @@ class WorkerLoop:
         # own client so that their bytes are counted apart.
         self.group = group or Group()
         if worker == "auto":  # the data-parallel baseline: rank i is worker i
-            worker = open_exchange(
+            worker = open_run(
                 ObjectStore(run_url, storage_options=storage_options)
             ).manifest.workers[self.group.rank]
         self.store = ObjectStore(run_url, storage_options=storage_options, name=worker)
         self.ckpt_store = ObjectStore(run_url, storage_options=storage_options,
                                       name=f"{worker}-checkpoints")
-        self.exchange = open_exchange(self.store)
+        self.exchange = open_run(self.store)
         manifest = self.exchange.manifest
         self.cfg = RunConfig.model_validate(manifest.config)
         self.status = StatusBoard(
