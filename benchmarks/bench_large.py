@@ -31,23 +31,12 @@ import tempfile
 import time
 import uuid
 
+from benchmarks.rss import reset_peak, status
+
 MIB = 1 << 20
 MODES = {"parts": {}, "single": {"multipart_threshold": 1 << 40}}
 
 
-def _status(field: str) -> int:
-    """A size field of /proc/self/status (``VmRSS``, ``VmHWM``) in bytes (Linux)."""
-    with open("/proc/self/status") as f:
-        line = next(x for x in f if x.startswith(f"{field}:"))
-    return int(line.split()[1]) * 1024
-
-
-def _reset_peak() -> int:
-    """Reset this process's peak RSS (``VmHWM``) to its current RSS, which it returns:
-    making the test object costs memory of its own that is not the store's."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS")
 
 
 def child(phase: str, url: str, options: dict, size: int, digest: str) -> dict:
@@ -58,18 +47,18 @@ def child(phase: str, url: str, options: dict, size: int, digest: str) -> dict:
 
     store = ObjectStore(url, storage_options=options)
     store.exists("warm-up")  # the client and its pool exist before the baseline
-    start_rss = _status("VmRSS")
+    start_rss = status("VmRSS")
     if phase == "put":
         data = np.random.default_rng(0).bytes(size)
-        base = _reset_peak() - size  # the object itself counts, as in a get
+        base = reset_peak() - size  # the object itself counts, as in a get
         start = time.perf_counter()
         store.put("large/obj", data)
     else:
-        base = _reset_peak()
+        base = reset_peak()
         start = time.perf_counter()
         data = store.get("large/obj")
     seconds = time.perf_counter() - start
-    peak = _status("VmHWM")
+    peak = status("VmHWM")
     assert len(data) == size and (phase == "put" or hashlib.sha256(data).hexdigest() == digest)
     return {"phase": phase, "seconds": round(seconds, 2), "peak_rss_mib": round(peak / MIB),
             "base_rss_mib": round(start_rss / MIB), "peak_over_base_x": round((peak - base) / size, 2),

@@ -78,6 +78,7 @@ from benchmarks.report import (
     rerendered,
     stop_on_sigterm,
 )
+from benchmarks.rss import reset_peak, status
 
 MIB = 1 << 20
 GEN_CHUNK = 1 << 22  # values generated at a time
@@ -85,17 +86,6 @@ STAGES = ("encode", "upload", "download", "decode", "reduce", "mean_encode", "me
           "fetch_download", "fetch_decode")
 
 
-def _status(field: str) -> int:
-    """A size field of /proc/self/status (``VmRSS``, ``VmHWM``) in bytes (Linux)."""
-    with open("/proc/self/status") as f:
-        return int(next(x for x in f if x.startswith(f"{field}:")).split()[1]) * 1024
-
-
-def _reset_peak() -> int:
-    """Reset this process's peak RSS to its current RSS, which it returns."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS")
 
 
 class StoreClock:
@@ -179,7 +169,7 @@ def party(role: str, url: str, options: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"role": role}
     cpu = time.process_time()
     if role.startswith("w"):
-        base = _reset_peak()
+        base = reset_peak()
         x = synthetic(n, seed=int(role[1:]))
         t0 = time.perf_counter()
         prepared = ex.prepare_delta(0, 0, role, x)
@@ -188,7 +178,7 @@ def party(role: str, url: str, options: dict[str, Any]) -> dict[str, Any]:
         t2 = time.perf_counter()
         out.update(encode=t1 - t0, upload=t2 - t1)
     elif role == "aggregator":
-        base = _reset_peak()
+        base = reset_peak()
         t0 = time.perf_counter()
         # as diloco/aggregator.py: each kept encoded, its norm from a first chunked pass
         values = {w: ex.hold_delta(0, 0, w)[0] for w in workers}
@@ -209,7 +199,7 @@ def party(role: str, url: str, options: dict[str, Any]) -> dict[str, Any]:
     else:
         known = {"w0": ex.fetch_delta(0, 0, "w0")[0]} if ex.from_peers else {}
         clock.take()
-        base = _reset_peak()
+        base = reset_peak()
         t0 = time.perf_counter()
         got_mean = ex.fetch_mean(0, 0, known=known)
         t1 = time.perf_counter()
@@ -218,7 +208,7 @@ def party(role: str, url: str, options: dict[str, Any]) -> dict[str, Any]:
         got = clock.take()
         out.update(fetch_download=got["read"], fetch_decode=t1 - t0 - got["read"],
                    checksum=_checksum(np.ascontiguousarray(got_mean[0])))
-    peak = _status("VmHWM")
+    peak = status("VmHWM")
     out.update(cpu_s=round(time.process_time() - cpu, 2), values=n, peak_rss_mib=round(peak / MIB), base_rss_mib=round(base / MIB),
                peak_over_fragment_x=round((peak - base) / (4 * n), 2))
     return out

@@ -115,9 +115,9 @@ def run(size: str, stride: int, seq_len: int, batch_size: int, extra: list[str]
         ) -> dict[str, Any]:
     """Train the size's recipe for H + stride steps with M = 2 (module docstring)."""
     from benchmarks import stages  # noqa: PLC0415
-    from benchmarks.bench_scale import _reset_peak, _status  # noqa: PLC0415
     from benchmarks.contenders import Contender, Workdir, run_processes  # noqa: PLC0415
     from benchmarks.recipe import ensure_dataset  # noqa: PLC0415
+    from benchmarks.rss import reset_peak, status  # noqa: PLC0415
     from workers.config import load_config  # noqa: PLC0415
     from workers.runs import create_run  # noqa: PLC0415
 
@@ -129,11 +129,11 @@ def run(size: str, stride: int, seq_len: int, batch_size: int, extra: list[str]
     with Workdir("bench-scale") as work:
         run_url = (work / f"{size}").as_uri()
         create_run(cfg, run_url)
-        base = _reset_peak()
+        base = reset_peak()
         results, agg, wall = run_processes(
             Contender("streaming-auto", "int4", workers=2, sync_every=h), cfg, run_url,
             log_dir=work)
-        peak = _status("VmHWM")
+        peak = status("VmHWM")
     agg_stages = clock.report()
     rounds = int(agg_stages.get("mean_upload", {}).get("calls", 0))
     workers = [worker_row(r, 4 * n) for r in results]

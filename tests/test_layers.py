@@ -97,9 +97,11 @@ def test_each_outside_system_stays_in_its_room() -> None:
 
 
 def test_no_import_circles() -> None:
-    """Between the product's modules, counting imports inside functions too: a
-    circle hidden in a function is still two modules that need each other."""
+    """Between the product's modules and the benchmarks', counting imports inside
+    functions too: a circle hidden in a function is still two modules that need each
+    other."""
     files = [p for ps in _product_files().values() for p in ps]
+    files += sorted((ROOT / "benchmarks").rglob("*.py"))
     known = {_module_name(p) for p in files}
     graph: dict[str, set[str]] = defaultdict(set)
     for path in files:
