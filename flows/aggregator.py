@@ -33,7 +33,7 @@ from prefect.exceptions import MissingContextError
 from prefect.states import Cancelled
 
 from diloco.aggregator import Aggregator, RoundReport, Stall
-from diloco.run import load_initial, open_run, plan_for
+from diloco.run import load_initial, open_run
 from flows import launcher_gone
 from flows.control import cancel_request, shard_board, watching
 from flows.jobs import (
@@ -50,12 +50,11 @@ from flows.jobs import (
     usage_errors,
 )
 from storage import layout
-from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
 from storage.reach import JOB_START_PATIENCE_S, REACH_POLICY
 from tracking.hooks import Hooks
 from workers.memory import fixed_mmap_threshold
-from workers.report import TRAFFIC_KEYS, party_meter
+from workers.report import TRAFFIC_KEYS, Participation, party_meter
 from workers.status import StatusBoard, read_all, read_status
 
 log = logging.getLogger(__name__)
@@ -72,54 +71,6 @@ SHARD_HEARTBEAT_S = 5.0
 SIGNAL_DRAIN_S = 20.0
 
 
-class CanonicalEval:
-    """The canonical model on the run's validation batches: the aggregator's own
-    (K = 1), or, with a sharded aggregator (each shard holds a slice), the whole
-    canonical checkpoints shard 0 assembles from the K parts (`at`)."""
-
-    def __init__(self, exchange: Exchange, run_url: str, storage_options: dict | None):
-        import torch  # noqa: PLC0415
-
-        from workers.config import RunConfig  # noqa: PLC0415
-        from workers.data.streams import open_dataset, val_batches  # noqa: PLC0415
-        from workers.model import build_model  # noqa: PLC0415
-
-        cfg = RunConfig.model_validate(exchange.manifest.config)
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
-        self.model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)
-        self.plan = plan_for(self.model, cfg.sync)
-        self.plan.check_against([f.model_dump() for f in exchange.manifest.fragments])
-        dataset = open_dataset(cfg.dataset_url(run_url), storage_options)
-        self.val = val_batches(dataset, seq_len=cfg.data.seq_len,
-                               batch_size=cfg.data.batch_size,
-                               num_batches=cfg.train.eval_batches)
-
-    def __call__(self, agg: Aggregator) -> float:
-        return self.of([agg.canonical(p) for p in range(len(self.plan))])
-
-    def of(self, fragments: list) -> float:
-        """The eval loss of the model made of these fragments (flat float32 each)."""
-        import torch  # noqa: PLC0415
-
-        from workers.inner import evaluate  # noqa: PLC0415
-
-        for p, flat in enumerate(fragments):
-            self.plan.scatter(self.model, p, torch.as_tensor(flat))
-        return evaluate(self.model, self.val, torch.device("cpu"))
-
-    def at(self, store: ObjectStore, rounds: list[int]) -> float | None:
-        """The eval loss of the canonical model after round ``rounds[p]`` of every
-        fragment ``p``, read from its whole checkpoints (None while one is not
-        committed, or when retention deleted it)."""
-        from storage.checkpoints import read_checkpoint  # noqa: PLC0415
-
-        keys = [layout.global_commit(p, r) for p, r in enumerate(rounds)]
-        if not all(store.exists(k) for k in keys):
-            return None
-        return self.of([read_checkpoint(store, k)[0]["params"] for k in keys])
-
-
 def run_aggregator_job(
     run_url: str,
     storage_options: dict | None = None,
@@ -133,148 +84,139 @@ def run_aggregator_job(
 ) -> dict[str, Any]:
     """Aggregate the run at ``run_url`` until every round is reduced or it is
     stopped; returns ``{"state", "rounds", "total_rounds", "rejected", "eval_loss"}``."""
-    exchange = open_run(run_url, storage_options, patience_s=JOB_START_PATIENCE_S,
-                        retry=REACH_POLICY, what="run_url")  # before anything is written
-    stop = stop or threading.Event()
-    hooks = hooks or job_hooks(run_url, NAME, storage_options)
-    status_store = ObjectStore(run_url, storage_options=storage_options, name="aggregator-status")
-    board = StatusBoard(status_store, NAME)
-    manifest = exchange.manifest
-    total = sum(manifest.rounds)
-    cancelled = threading.Event()
+    job = AggregatorJob(run_url, storage_options, stop=stop, hooks=hooks, evaluate=evaluate,
+                        drain_s=drain_s)
+    return job.run(exit_with_parent=exit_with_parent, cancel_poll_s=cancel_poll_s)
 
-    def drain(_request: dict | None, seconds: float = drain_s) -> None:
+
+class AggregatorJob:
+    """The aggregator job: the `Aggregator` (or shard 0 of a sharded one) on the run,
+    with what a job adds around it: its status board, participation counts, the
+    canonical model's evaluations, tracking hooks, the bytes and bill it runs up,
+    and draining the workers' last rounds on a cancel or a signal."""
+
+    def __init__(self, run_url: str, storage_options: dict | None = None, *,
+                 stop: threading.Event | None = None, hooks: Hooks | None = None,
+                 evaluate: bool = True, drain_s: float = DRAIN_S):
+        self.run_url, self.storage_options, self.drain_s = run_url, storage_options, drain_s
+        self.exchange = exchange = open_run(  # before anything is written
+            run_url, storage_options, patience_s=JOB_START_PATIENCE_S, retry=REACH_POLICY,
+            what="run_url")
+        self.stop = stop or threading.Event()
+        self.hooks = hooks or job_hooks(run_url, NAME, storage_options)
+        self.status_store = ObjectStore(run_url, storage_options=storage_options,
+                                        name="aggregator-status")
+        self.board = StatusBoard(self.status_store, NAME)
+        self.manifest = exchange.manifest
+        self.total = sum(self.manifest.rounds)
+        self.cancelled = threading.Event()
+        try:
+            # sharded (K > 1): shard 0 evaluates the whole checkpoints once assembled
+            self.sharded = exchange.shards > 1
+            from workers.canonical import CanonicalEval  # noqa: PLC0415 - torch: slow import
+            from workers.config import RunConfig  # noqa: PLC0415
+
+            self.evaluator = (CanonicalEval(exchange, run_url, storage_options) if evaluate
+                              else None)
+
+            cfg = RunConfig.model_validate(self.manifest.config)
+            kwargs = {"keep_checkpoints": cfg.train.keep_checkpoints,
+                      "slots": cfg.data.slot_count(len(self.manifest.workers))}
+            if self.sharded:  # shard 0 of K: it decides; `run_shard_job` runs the rest
+                from diloco.shards import ShardAggregator  # noqa: PLC0415
+
+                self.agg: Aggregator = ShardAggregator(exchange, shard=0, **kwargs)
+            else:
+                self.agg = Aggregator(exchange, **kwargs)
+        except Exception as exc:
+            set_state(self.status_store, NAME, "failed", error=f"{type(exc).__name__}: {exc}")
+            close_hooks(self.hooks)
+            raise
+        self.board.register(total_rounds=self.total, resumed_at=sum(self.agg.next_round))
+        #: the level (rounds every fragment has) of the last evaluation
+        self.evaluated_at = -1
+        self.last_eval: dict[str, Any] = {}
+        previous = read_status(self.status_store, NAME) or {}
+        self.participation = Participation(self.manifest.workers, previous)
+        # the bytes it moves, cumulative across restarts like the workers' (each life
+        # adds what the previous status recorded); its canonical checkpoints apart, as
+        # they are most of it
+        self.moved_before = {k: int(previous.get(k) or 0) for k in TRAFFIC_KEYS}
+        # its bill: the exchange's and the status board's requests and bytes, cumulative
+        self.meter = party_meter(cfg, NAME, [exchange.store], self.board)
+        if "initial_eval_loss" in previous:  # kept across restarts
+            self.last_eval["initial_eval_loss"] = previous["initial_eval_loss"]
+        elif self.evaluator is not None and sum(self.agg.next_round) == 0:
+            # the baseline the rounds improve on (a shard's canonical is only its slice)
+            self.last_eval["initial_eval_loss"] = (
+                self.evaluator.of(load_initial(exchange, len(self.agg.outer)))
+                if self.sharded else self.evaluator(self.agg))
+        #: sharded: the rounds (per fragment) of evaluations due, in order, each done
+        #: once shard 0 has assembled the whole checkpoints of those rounds
+        self.pending: list[list[int]] = []
+        self.eval_store = ObjectStore(run_url, storage_options=storage_options,
+                                      name="aggregator-eval")
+        self.stalled: list[dict[str, Any]] = []
+
+    # -- the run ------------------------------------------------------------------
+    def run(self, *, exit_with_parent: bool = False, cancel_poll_s: float = 2.0
+            ) -> dict[str, Any]:
+        """Reduce until every round is or the job is stopped; the job's result."""
+        agg = self.agg
+        agg.on_round = self.on_round
+        agg.on_stall = self.on_stall
+        self.progress("running", force=True)
+        try:
+            # A signal usually comes with the workers' own (a cancelled parent, a pool
+            # shutting down): reduce their last rounds first, so none stays blocked.
+            with watching(self.status_store, self.drain, self.stop, interval=cancel_poll_s,
+                          exit_with_parent=exit_with_parent), \
+                    stop_on_signals(self.stop, first=lambda: self.drain(None, SIGNAL_DRAIN_S)):
+                agg.run(self.stop)
+                if agg.done:
+                    self.evaluate_final()
+        except Exception as exc:
+            set_state(self.status_store, NAME, "failed", error=f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            not_logged = close_hooks(self.hooks)
+        if agg.done:
+            state = "finished"
+        elif self.cancelled.is_set() or cancel_request(self.status_store) is not None:
+            state = "cancelled"
+        else:
+            state = "interrupted"
+        # the final status also says what tracking could not log, for the train job's report
+        lost = {"not_logged": not_logged} if not_logged else {}
+        self.progress(state, force=True, **lost)
+        return {"state": state, "rounds": sum(agg.next_round), "total_rounds": self.total,
+                "rejected": agg.stats.rejected, **self.last_eval, **lost}
+
+    def drain(self, request: dict | None, seconds: float | None = None) -> None:
         """Keep reducing until the workers stopped (at most ``seconds``), then stop."""
-        if _request is not None:
-            cancelled.set()
+        if request is not None:
+            self.cancelled.set()
+        deadline = time.monotonic() + (self.drain_s if seconds is None else seconds)
 
         def wait_for_workers() -> None:
-            deadline = time.monotonic() + seconds
-            while time.monotonic() < deadline and not stop.is_set():
-                states = read_all(status_store, manifest.workers)
+            while time.monotonic() < deadline and not self.stop.is_set():
+                states = read_all(self.status_store, self.manifest.workers)
                 if all((s or {}).get("state") != "running" for s in states.values()):
                     break
                 time.sleep(1.0)
-            stop.set()
+            self.stop.set()
 
         threading.Thread(target=wait_for_workers, name="drain", daemon=True).start()
 
-    try:
-        # sharded (K > 1): shard 0 evaluates the whole checkpoints once assembled
-        sharded = exchange.shards > 1
-        evaluator = CanonicalEval(exchange, run_url, storage_options) if evaluate else None
-        from workers.config import RunConfig  # noqa: PLC0415 - torch is slow to import
-
-        cfg = RunConfig.model_validate(manifest.config)
-        kwargs = {"keep_checkpoints": cfg.train.keep_checkpoints,
-                  "slots": cfg.data.slot_count(len(manifest.workers))}
-        if exchange.shards > 1:  # shard 0 of K: it decides; `run_shard_job` runs the rest
-            from diloco.shards import ShardAggregator  # noqa: PLC0415
-
-            agg = ShardAggregator(exchange, shard=0, **kwargs)
-        else:
-            agg = Aggregator(exchange, **kwargs)
-    except Exception as exc:
-        set_state(status_store, NAME, "failed", error=f"{type(exc).__name__}: {exc}")
-        close_hooks(hooks)
-        raise
-    board.register(total_rounds=total, resumed_at=sum(agg.next_round))
-    evaluated_at = [-1]  # the level (rounds every fragment has) of the last evaluation
-    last_eval: dict[str, Any] = {}
-    previous = read_status(status_store, NAME) or {}
-    # participation, counted as rounds are applied and kept across restarts
-    counted = {"rounds_by_worker": dict.fromkeys(manifest.workers, 0), "counted_rounds": 0,
-               "participants_total": 0, "expected_total": 0, "on_time_total": 0,
-               "late_total": 0, "dropped_total": 0, "absent_total": 0}
-    if previous.get("rounds_by_worker"):
-        counted.update({k: previous[k] for k in counted if k in previous})
-    # the bytes it moves, cumulative across restarts like the workers' (each life adds
-    # what the previous status recorded); its canonical checkpoints apart, as they are
-    # most of it
-    moved_before = {k: int(previous.get(k) or 0) for k in TRAFFIC_KEYS}
-    # its bill: the exchange's and the status board's requests and bytes, cumulative too
-    meter = party_meter(cfg, NAME, [exchange.store], board)
-
-    def moved() -> dict[str, int]:
-        t = exchange.store.traffic
-        ckpt = sum(c.bytes_up for cat, c in t.by_category().items()
-                   if cat.startswith(layout.CANONICAL_STATES))
-        now = {"bytes_up": t.bytes_up, "bytes_down": t.bytes_down, "bytes_checkpoints": ckpt}
-        return {**{k: moved_before[k] + now[k] for k in TRAFFIC_KEYS}, **meter.figures()}
-    if "initial_eval_loss" in previous:  # kept across restarts
-        last_eval["initial_eval_loss"] = previous["initial_eval_loss"]
-    elif evaluator is not None and sum(agg.next_round) == 0:
-        # the baseline the rounds improve on (a shard's canonical is only its slice)
-        last_eval["initial_eval_loss"] = (evaluator.of(load_initial(exchange, len(agg.outer)))
-                                          if sharded else evaluator(agg))
-    #: sharded: the rounds (per fragment) of evaluations due, in order, each done once
-    #: shard 0 has assembled the whole checkpoints of those rounds (a round or so later)
-    pending: list[list[int]] = []
-    eval_store = ObjectStore(run_url, storage_options=storage_options, name="aggregator-eval")
-
-    def evaluated(loss: float, rounds: list[int]) -> dict[str, Any]:
-        last_eval.update(eval_loss=loss, perplexity=math.exp(min(loss, 50.0)),
-                         eval_round=sum(r + 1 for r in rounds))
-        log.info("aggregator: canonical model after %d of %d rounds: eval loss %.4f",
-                 last_eval["eval_round"], total, loss)
-        return dict(last_eval)
-
-    def maybe_evaluate(final: bool = False) -> dict[str, Any]:
-        level = min(agg.next_round)
-        if evaluator is None:
-            return {}
-        if final:
-            if last_eval.get("eval_round") == sum(agg.next_round) or (
-                    pending and sum(r + 1 for r in pending[-1]) == sum(agg.next_round)):
-                return {}
-        elif level <= evaluated_at[0] or level == 0:
-            return {}
-        evaluated_at[0] = level
-        rounds = [n - 1 for n in agg.next_round]
-        if sharded:
-            pending.append(rounds)
-            return {}
-        return evaluated(evaluator(agg), rounds)
-
-    def evaluate_pending() -> None:
-        """Sharded: the evaluations due whose checkpoints are assembled, logged as the
-        round's report would have carried them (at the same step), in order."""
-        while pending:
-            loss = evaluator.at(eval_store, pending[0])
-            if loss is None and all(exchange.store.exists(layout.global_commit(p, r + 1))
-                                    for p, r in enumerate(pending[0])):
-                log.warning("aggregator: no canonical checkpoint of rounds %s left to "
-                            "evaluate (train.keep_checkpoints)", pending[0])
-                pending.pop(0)
-                continue
-            if loss is None:
-                return
-            report = evaluated(loss, pending.pop(0))
-            hooks.aggregator_eval({**report, "rounds": report["eval_round"]})
-            flow_log("canonical model after %d of %d rounds: eval loss %.4f",
-                     report["eval_round"], total, loss)
-
-    def on_round(report: RoundReport) -> None:
-        present = [w for w in report.weights if "@" not in w]  # on time; joiners too
-        # a late contribution (``w@r``, applied in this mean) counts for its round
-        applied = [w.partition("@")[0] for w in report.weights]
-        for w in applied:
-            counted["rounds_by_worker"][w] = counted["rounds_by_worker"].get(w, 0) + 1
-        counted["counted_rounds"] += 1
-        counted["participants_total"] += len(applied)
-        counted["expected_total"] += max(report.expected, len(present))
-        # each expected contribution ends once: in its round's mean (on time), in a
-        # later one (late), past max_staleness (dropped) or never committed (absent)
-        counted["on_time_total"] += len(present)
-        counted["late_total"] += report.late
-        counted["dropped_total"] += report.dropped
-        counted["absent_total"] += report.absent
-        if pending:
-            evaluate_pending()
-        now = maybe_evaluate()
-        progress("running", force=True)  # a small write per round: the counts stay exact
-        traffic = moved()
-        hooks.aggregator_round({**asdict(report), **now, **traffic})
+    # -- what each round adds ------------------------------------------------------
+    def on_round(self, report: RoundReport) -> None:
+        present = self.participation.add(report)
+        if self.pending:
+            self.evaluate_pending()
+        now = self.maybe_evaluate()
+        self.progress("running", force=True)  # a small write per round: counts stay exact
+        traffic = self.moved()
+        self.hooks.aggregator_round({**asdict(report), **now, **traffic})
         evaluated_text = (f"; canonical eval loss {now['eval_loss']:.4f}"
                           if "eval_loss" in now else "")
         rejected = (f" ({len(report.rejected)} rejected: {', '.join(report.rejected)})"
@@ -283,60 +225,90 @@ def run_aggregator_job(
             f" ({report.dropped} dropped as stale)" if report.dropped else "")
         flow_log("round %d of fragment %d applied (%d of %d rounds): %d of %d members%s%s%s; "
                  "aggregator up %.2f MB, down %.2f MB", report.round, report.fragment,
-                 sum(agg.next_round), total, len(present),
-                 report.expected or len(manifest.workers), late, rejected,
+                 sum(self.agg.next_round), self.total, len(present),
+                 report.expected or len(self.manifest.workers), late, rejected,
                  evaluated_text, traffic["bytes_up"] / 1e6, traffic["bytes_down"] / 1e6)
 
-    stalled: list[dict[str, Any]] = []
-
-    def on_stall(stalls: list[Stall]) -> None:
+    def on_stall(self, stalls: list[Stall]) -> None:
         """A run must never wait silently: who is missing, since when, in the status
         board (`diloco status`), MLflow, and the Prefect flow run's log."""
-        stalled[:] = [{**asdict(s), "text": s.describe()} for s in stalls]
-        progress("running", force=True)
-        hooks.aggregator_stalled(list(stalled))
-        if stalled:
-            prefect_log("aggregator stalled: " + "; ".join(s["text"] for s in stalled))
+        self.stalled[:] = [{**asdict(s), "text": s.describe()} for s in stalls]
+        self.progress("running", force=True)
+        self.hooks.aggregator_stalled(list(self.stalled))
+        if self.stalled:
+            prefect_log("aggregator stalled: " + "; ".join(s["text"] for s in self.stalled))
 
-    def progress(state: str, force: bool = False, **extra: Any) -> None:
-        board.update(state, force=force, rounds=sum(agg.next_round), total_rounds=total,
-                     rejected=agg.stats.rejected, stalled=stalled, **counted, **last_eval,
-                     **moved(), **extra)
+    def progress(self, state: str, force: bool = False, **extra: Any) -> None:
+        self.board.update(state, force=force, rounds=sum(self.agg.next_round),
+                          total_rounds=self.total, rejected=self.agg.stats.rejected,
+                          stalled=self.stalled, **self.participation.counts,
+                          **self.last_eval, **self.moved(), **extra)
 
-    agg.on_round = on_round
-    agg.on_stall = on_stall
-    progress("running", force=True)
-    try:
-        # A signal usually comes with the workers' own (a cancelled parent, a pool
-        # shutting down): reduce their last rounds first, so none stays blocked.
-        with watching(status_store, drain, stop, interval=cancel_poll_s,
-                      exit_with_parent=exit_with_parent), \
-                stop_on_signals(stop, first=lambda: drain(None, SIGNAL_DRAIN_S)):
-            agg.run(stop)
-            if agg.done:
-                final = maybe_evaluate(final=True)
-                evaluate_pending()  # done: every whole checkpoint is assembled
-                if final:
-                    flow_log("canonical model after all %d rounds: eval loss %.4f",
-                             sum(agg.next_round), final["eval_loss"])
-                    hooks.aggregator_eval({**final, "rounds": sum(agg.next_round),
-                                           "final": True})
-    except Exception as exc:
-        set_state(status_store, NAME, "failed", error=f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        not_logged = close_hooks(hooks)
-    if agg.done:
-        state = "finished"
-    elif cancelled.is_set() or cancel_request(status_store) is not None:
-        state = "cancelled"
-    else:
-        state = "interrupted"
-    # the final status also says what tracking could not log, for the train job's report
-    lost = {"not_logged": not_logged} if not_logged else {}
-    progress(state, force=True, **lost)
-    return {"state": state, "rounds": sum(agg.next_round), "total_rounds": total,
-            "rejected": agg.stats.rejected, **last_eval, **lost}
+    def moved(self) -> dict[str, int]:
+        """The bytes moved and the bill so far, this life's added to the previous."""
+        t = self.exchange.store.traffic
+        ckpt = sum(c.bytes_up for cat, c in t.by_category().items()
+                   if cat.startswith(layout.CANONICAL_STATES))
+        now = {"bytes_up": t.bytes_up, "bytes_down": t.bytes_down, "bytes_checkpoints": ckpt}
+        return {**{k: self.moved_before[k] + now[k] for k in TRAFFIC_KEYS},
+                **self.meter.figures()}
+
+    # -- evaluations of the canonical model -----------------------------------------
+    def evaluated(self, loss: float, rounds: list[int]) -> dict[str, Any]:
+        self.last_eval.update(eval_loss=loss, perplexity=math.exp(min(loss, 50.0)),
+                              eval_round=sum(r + 1 for r in rounds))
+        log.info("aggregator: canonical model after %d of %d rounds: eval loss %.4f",
+                 self.last_eval["eval_round"], self.total, loss)
+        return dict(self.last_eval)
+
+    def maybe_evaluate(self, final: bool = False) -> dict[str, Any]:
+        """An evaluation when every fragment has a round more than at the last one
+        (sharded: queued until its checkpoints are assembled); ``final``: unless the
+        last one already saw every round."""
+        agg, pending = self.agg, self.pending
+        level = min(agg.next_round)
+        if self.evaluator is None:
+            return {}
+        if final:
+            if self.last_eval.get("eval_round") == sum(agg.next_round) or (
+                    pending and sum(r + 1 for r in pending[-1]) == sum(agg.next_round)):
+                return {}
+        elif level <= self.evaluated_at or level == 0:
+            return {}
+        self.evaluated_at = level
+        rounds = [n - 1 for n in agg.next_round]
+        if self.sharded:
+            pending.append(rounds)
+            return {}
+        return self.evaluated(self.evaluator(agg), rounds)
+
+    def evaluate_pending(self) -> None:
+        """Sharded: the evaluations due whose checkpoints are assembled, logged as the
+        round's report would have carried them (at the same step), in order."""
+        while self.pending:
+            loss = self.evaluator.at(self.eval_store, self.pending[0])
+            if loss is None and all(self.exchange.store.exists(layout.global_commit(p, r + 1))
+                                    for p, r in enumerate(self.pending[0])):
+                log.warning("aggregator: no canonical checkpoint of rounds %s left to "
+                            "evaluate (train.keep_checkpoints)", self.pending[0])
+                self.pending.pop(0)
+                continue
+            if loss is None:
+                return
+            report = self.evaluated(loss, self.pending.pop(0))
+            self.hooks.aggregator_eval({**report, "rounds": report["eval_round"]})
+            flow_log("canonical model after %d of %d rounds: eval loss %.4f",
+                     report["eval_round"], self.total, loss)
+
+    def evaluate_final(self) -> None:
+        """Every round reduced: the last evaluation, and any still pending."""
+        final = self.maybe_evaluate(final=True)
+        self.evaluate_pending()  # done: every whole checkpoint is assembled
+        if final:
+            rounds = sum(self.agg.next_round)
+            flow_log("canonical model after all %d rounds: eval loss %.4f", rounds,
+                     final["eval_loss"])
+            self.hooks.aggregator_eval({**final, "rounds": rounds, "final": True})
 
 
 def run_shard_job(run_url: str, storage_options: dict | None = None, *, shard: int,

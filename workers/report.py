@@ -18,6 +18,7 @@ from storage.traffic import human_bytes
 from workers.status import StatusBoard, read_all, read_status
 
 if TYPE_CHECKING:
+    from diloco.aggregator import RoundReport
     from workers.config import RunConfig
 
 AGGREGATOR = layout.AGGREGATOR
@@ -306,3 +307,35 @@ def _cost_sentence(report: dict[str, Any]) -> str:
     read = ", ".join(f"{n} read {p['read']}" for n, p in cost["prices"].items())
     return (f"Cost: {usd(cost['total_usd'])} (workers {usd(cost['workers_usd'])}, aggregator "
             f"{usd(cost['aggregator_usd'])}; store {cost['store']}; list prices: {read}). ")
+
+
+class Participation:
+    """Who took part in the rounds, counted as rounds are applied and kept across
+    the aggregator's restarts (in its status): each expected contribution ends once,
+    in its round's mean (on time), in a later one (late), past ``max_staleness``
+    (dropped) or never committed (absent)."""
+
+    def __init__(self, workers: list[str], previous: dict[str, Any]):
+        self.counts: dict[str, Any] = {
+            "rounds_by_worker": dict.fromkeys(workers, 0), "counted_rounds": 0,
+            "participants_total": 0, "expected_total": 0, "on_time_total": 0,
+            "late_total": 0, "dropped_total": 0, "absent_total": 0}
+        if previous.get("rounds_by_worker"):
+            self.counts.update({k: previous[k] for k in self.counts if k in previous})
+
+    def add(self, report: RoundReport) -> list[str]:
+        """Count one applied round; returns its on-time members (joiners too)."""
+        c = self.counts
+        present = [w for w in report.weights if "@" not in w]
+        # a late contribution (``w@r``, applied in this mean) counts for its round
+        applied = [w.partition("@")[0] for w in report.weights]
+        for w in applied:
+            c["rounds_by_worker"][w] = c["rounds_by_worker"].get(w, 0) + 1
+        c["counted_rounds"] += 1
+        c["participants_total"] += len(applied)
+        c["expected_total"] += max(report.expected, len(present))
+        c["on_time_total"] += len(present)
+        c["late_total"] += report.late
+        c["dropped_total"] += report.dropped
+        c["absent_total"] += report.absent
+        return present
