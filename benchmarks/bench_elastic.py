@@ -107,7 +107,7 @@ def worker_main(argv: Sequence[str]) -> int:
     import torch  # noqa: PLC0415
 
     from workers.elastic import RunFinished  # noqa: PLC0415
-    from workers.train import WorkerLoop  # noqa: PLC0415
+    from workers.loop import WorkerLoop  # noqa: PLC0415
 
     torch.set_num_threads(1)
     last = [time.perf_counter()]
@@ -380,7 +380,7 @@ class CanonicalEval:
     def _eval(self) -> float:
         import torch  # noqa: PLC0415
 
-        from workers.train import evaluate  # noqa: PLC0415
+        from workers.loop import evaluate  # noqa: PLC0415
 
         return evaluate(self.model, self.val, torch.device("cpu"))
 

@@ -10,7 +10,7 @@ workers, its score.
 - what it produced (``Outcome``), kept across an interrupted benchmark (``Cache``),
   and where its runs live meanwhile (``Workdir``).
 
-Data-parallel is the real ``train.strategy=data_parallel`` of workers/train.py, one
+Data-parallel is the real ``train.strategy=data_parallel`` of workers/loop.py, one
 process per rank, gloo over TCP, started the way torchrun starts its ranks (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment, ``env://`` rendezvous) but
 without torchrun's agent, so that each rank can be put in its own network namespace.
@@ -277,8 +277,8 @@ def canonical_eval(run_url: str, cfg, storage_options: dict | None = None,
 
     from diloco.run import load_canonical, open_run, plan_for  # noqa: PLC0415
     from workers.data.streams import open_dataset, val_batches  # noqa: PLC0415
+    from workers.loop import evaluate  # noqa: PLC0415
     from workers.model import build_model  # noqa: PLC0415
-    from workers.train import evaluate  # noqa: PLC0415
 
     ex = open_run(run_url, storage_options)
     model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)

@@ -47,8 +47,8 @@ def train(setup: str, url: str) -> None:
     from diloco.aggregator import Aggregator  # noqa: PLC0415
     from diloco.run import open_run  # noqa: PLC0415
     from workers.config import load_config  # noqa: PLC0415
+    from workers.loop import WorkerLoop  # noqa: PLC0415
     from workers.runs import create_run  # noqa: PLC0415
-    from workers.train import WorkerLoop  # noqa: PLC0415
 
     cfg = load_config("tiny", [*SETUPS[setup], *COMMON])
     create_run(cfg, url)

@@ -376,7 +376,7 @@ def train_in_threads(url: str, workers: list[str]) -> tuple[list, list, bool, fl
     """Every worker in a thread, the aggregator in another: (results, loops, done, s)."""
     from diloco.aggregator import Aggregator  # noqa: PLC0415
     from diloco.run import open_run  # noqa: PLC0415
-    from workers.train import WorkerLoop  # noqa: PLC0415
+    from workers.loop import WorkerLoop  # noqa: PLC0415
 
     agg, stop = Aggregator(open_run(url)), threading.Event()
     agg_thread = threading.Thread(target=agg.run, args=(stop, 600), daemon=True)

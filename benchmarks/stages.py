@@ -114,7 +114,7 @@ class StageClock:
 
 def install() -> StageClock:
     """Wrap the round's calls in this process (for good: a benchmark's own process)."""
-    from diloco import aggregator, inflight, replica  # noqa: PLC0415
+    from diloco import aggregator, inflight, synchronizer  # noqa: PLC0415
     from storage import arrays, exchange, objectstore  # noqa: PLC0415
 
     clock = StageClock()
@@ -130,9 +130,9 @@ def install() -> StageClock:
             (getattr(arrays, "Coded", None), "sumsq", "decode"),
             (exchange.Exchange, "publish_mean", "publish_mean"),
             (aggregator.Aggregator, "_mean", "reduce"),
-            (replica.Synchronizer, "_send", "send"),  # the outer gradient, on the loop
-            (replica.Synchronizer, "_merge", "merge"),
-            (replica.Synchronizer, "finish", "drain"),
+            (synchronizer.Synchronizer, "_send", "send"),  # the outer gradient, on the loop
+            (synchronizer.Synchronizer, "_merge", "merge"),
+            (synchronizer.Synchronizer, "finish", "drain"),
             (inflight.InFlight, "wait_mean", "wait")):
         if cls is not None and hasattr(cls, name):
             setattr(cls, name, clock.timed(stage, getattr(cls, name)))

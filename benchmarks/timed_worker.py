@@ -86,15 +86,15 @@ def instrument(clock: Clock) -> None:
     """Wrap the calls that communicate (see the module docstring); process-wide."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    from diloco import replica  # noqa: PLC0415
-    from workers import status, train  # noqa: PLC0415
+    from diloco import synchronizer  # noqa: PLC0415
+    from workers import loop, status  # noqa: PLC0415
 
     dist.all_reduce = _timed(dist.all_reduce, clock, "allreduce_s")
-    replica.Synchronizer.step = _timed(replica.Synchronizer.step, clock, "sync_s")
-    replica.Synchronizer.finish = _timed(replica.Synchronizer.finish, clock, "finish_s")
+    synchronizer.Synchronizer.step = _timed(synchronizer.Synchronizer.step, clock, "sync_s")
+    synchronizer.Synchronizer.finish = _timed(synchronizer.Synchronizer.finish, clock, "finish_s")
     status.StatusBoard.update = _timed(status.StatusBoard.update, clock, "status_s")
 
-    batch, evaluate = train.WorkerLoop._batch, train.evaluate
+    batch, evaluate = loop.WorkerLoop._batch, loop.evaluate
 
     def first_batch(self):
         if clock.loop_start is None:
@@ -106,8 +106,8 @@ def instrument(clock: Clock) -> None:
             clock.loop_end = time.perf_counter()
         return evaluate(*args, **kwargs)
 
-    train.WorkerLoop._batch = first_batch
-    train.evaluate = final_eval
+    loop.WorkerLoop._batch = first_batch
+    loop.evaluate = final_eval
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
-    from workers.train import Group, WorkerLoop  # noqa: PLC0415
+    from workers.loop import Group, WorkerLoop  # noqa: PLC0415
 
     clock = Clock()
     instrument(clock)

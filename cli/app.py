@@ -32,9 +32,9 @@ from cli.estimate import estimate
 from cli.gc import gc
 from cli.members import join, leave
 from cli.model import export, sample
+from cli.run import resume, run
 from cli.status import cancel, status
 from cli.store import store_app
-from cli.train import resume, run
 
 HELP = """Train one language model across regions with Streaming DiLoCo.
 

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from cli.console import console, fail, shown
-from cli.train import open_named_run
+from cli.run import open_named_run
 from storage.traffic import human_bytes
 from workers import gc as collecting
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any
 import typer
 
 from cli.console import console, fail, shown, user_errors
-from cli.train import open_named_run
+from cli.run import open_named_run
 from flows.control import read_launcher, write_launcher
 
 RUN_HELP = "a run URL, or a run's name under runs/"

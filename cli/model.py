@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from cli.console import console, errors, fail, shown, user_errors
-from cli.train import open_named_run
+from cli.run import open_named_run
 
 _ROUND_HELP = ("rounds applied to every fragment: 0 is the initial model; default the "
                "newest round every fragment has committed")

@@ -11,7 +11,7 @@ import typer
 from cli.console import console, errors, fail, quiet_logs, shown
 from cli.figures import print_status
 from cli.members import members, print_members
-from cli.train import open_named_run
+from cli.run import open_named_run
 from flows import cancel as cancelling
 from flows.control import cancel_request, read_launcher, request_cancel
 from flows.shard_status import shard_statuses, silent_for

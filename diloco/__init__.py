@@ -33,7 +33,7 @@ _PUBLIC = {
     "FragmentPlan": "diloco.fragments",
     "Schedule": "diloco.schedule",
     "SyncConfig": "diloco.config",
-    "Synchronizer": "diloco.replica",
+    "Synchronizer": "diloco.synchronizer",
     "load_canonical": "diloco.run",
     "new_run": "diloco.run",
     "open_run": "diloco.run",
@@ -45,9 +45,9 @@ if TYPE_CHECKING:
     from diloco.aggregator import Aggregator
     from diloco.config import SyncConfig
     from diloco.fragments import FragmentPlan, plan_fragments
-    from diloco.replica import Synchronizer
     from diloco.run import load_canonical, new_run, open_run, plan_for
     from diloco.schedule import Schedule
+    from diloco.synchronizer import Synchronizer
 
 
 def __getattr__(name: str) -> Any:

@@ -137,7 +137,7 @@ class InFlight:
         the last peer's send came after this worker's (``tau.arrived``:
         `diloco.overlap` sizes tau by it), and says the longest pause between polls
         for a mean (``tau.poll_max``);
-        ``stop`` and ``stop_patience_s`` as for `diloco.replica.Synchronizer`."""
+        ``stop`` and ``stop_patience_s`` as for `diloco.synchronizer.Synchronizer`."""
         self.exchange = exchange
         self.worker = worker
         self.config = config

@@ -5,7 +5,7 @@
 
 `run_worker_job` is plain Python (no Prefect API), so a local launcher can run it
 as a child process and a Prefect work pool through the `worker` flow. With one
-process it runs `workers.train.WorkerLoop` here; an island of several processes
+process it runs `workers.loop.WorkerLoop` here; an island of several processes
 runs under torchrun (``-m workers -- --run URL --worker W``). Either way the
 worker writes its progress to ``members/<worker>/status.json``, its metrics go to
 the tracking hooks, and it stops after a checkpoint on SIGTERM/SIGINT, on the
@@ -191,7 +191,7 @@ def _emit(worker: str, hooks: Hooks, flow_run_log: FlowRunLog | None = None):
 def _in_process(run_url: str, worker: str, storage_options: dict | None,
                 stop: threading.Event, cancelled: threading.Event,
                 hooks: Hooks, *, join: bool = False, claim: str | None = None) -> dict[str, Any]:
-    from workers.train import Interrupted, WorkerLoop  # noqa: PLC0415 - torch is slow to import
+    from workers.loop import Interrupted, WorkerLoop  # noqa: PLC0415 - torch is slow to import
 
     flow_run_log = FlowRunLog(worker)
     try:

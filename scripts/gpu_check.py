@@ -41,8 +41,8 @@ from diloco.aggregator import Aggregator
 from diloco.run import open_run
 from workers.config import ConfigError, load_config
 from workers.data.prepare import prepare_data
+from workers.loop import WorkerLoop
 from workers.runs import create_run
-from workers.train import WorkerLoop
 
 
 def arguments(argv: list[str] | None) -> argparse.Namespace:

@@ -410,8 +410,8 @@ def canonical_eval(run_url: str, storage_options: dict | None = None) -> float:
     from diloco.run import load_canonical, open_run, plan_for
     from workers.config import RunConfig
     from workers.data.streams import open_dataset, val_batches
+    from workers.loop import evaluate
     from workers.model import build_model
-    from workers.train import evaluate
 
     ex = open_run(run_url, storage_options)
     cfg = RunConfig.model_validate(ex.manifest.config)

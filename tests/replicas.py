@@ -19,8 +19,8 @@ from torch import nn
 
 from diloco.aggregator import Aggregator
 from diloco.config import SyncConfig
-from diloco.replica import Synchronizer
 from diloco.run import new_run, open_run, plan_for
+from diloco.synchronizer import Synchronizer
 from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
 

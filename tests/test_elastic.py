@@ -17,8 +17,8 @@ from storage import layout
 from storage.objectstore import ObjectStore
 from workers.config import load_config
 from workers.data.prepare import prepare_data
+from workers.loop import WorkerLoop
 from workers.runs import create_run
-from workers.train import WorkerLoop
 
 MICRO = [
     "model.overrides={d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}",

@@ -21,8 +21,8 @@ from diloco.run import load_initial, open_run, plan_for
 from workers.config import load_config
 from workers.data.prepare import prepare_data
 from workers.export import canonical_model
+from workers.loop import WorkerLoop
 from workers.runs import create_run
-from workers.train import WorkerLoop
 
 MICRO = [
     "model.overrides={d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}",

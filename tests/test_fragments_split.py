@@ -16,8 +16,8 @@ from test_aggregator import state_hash, with_kills
 from diloco.aggregator import Aggregator
 from diloco.bootstrap import canonical_after
 from diloco.config import SyncConfig
-from diloco.replica import Synchronizer
 from diloco.run import load_canonical, open_run, plan_for
+from diloco.synchronizer import Synchronizer
 from replicas import Blocks, data, train_replicas
 from storage.layout import MANIFEST
 from storage.objectstore import ObjectStore

@@ -28,7 +28,7 @@ def test_step_reads_the_loss_back_only_at_log_steps(dataset, monkeypatch):
 
         def read(self, *args, **kwargs):
             caller = sys._getframe(1)
-            if caller.f_code.co_filename.endswith(("workers/train.py", "workers/losslog.py",
+            if caller.f_code.co_filename.endswith(("workers/loop.py", "workers/losslog.py",
                                                    "workers/inner.py")):
                 reads.append((caller.f_code.co_name, name))
             return original(self, *args, **kwargs)

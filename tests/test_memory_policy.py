@@ -23,7 +23,7 @@ def test_the_threshold_is_fixed_on_glibc_in_a_fresh_process() -> None:
     (no FSDP, no data pipeline)."""
     code = ("import sys, os; os.environ.pop('MALLOC_MMAP_THRESHOLD_', None); "
             "from workers.memory import fixed_mmap_threshold as f; import flows.aggregator; "
-            "print(f(), 'workers.train' in sys.modules, "
+            "print(f(), 'workers.loop' in sys.modules, "
             "'torch.distributed.fsdp' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
@@ -33,7 +33,7 @@ def test_the_threshold_is_fixed_on_glibc_in_a_fresh_process() -> None:
 def test_a_replicated_worker_loads_no_fsdp_nor_dcp() -> None:
     """The training loop imports FSDP2, DTensor and torch DCP only for a sharded island
     (they cost about 47 MiB of every worker process that would never use them)."""
-    code = ("import sys; import workers.train; print(sorted({m.split('.')[2] for m in "
+    code = ("import sys; import workers.loop; print(sorted({m.split('.')[2] for m in "
             "sys.modules if m.startswith(('torch.distributed.fsdp', "
             "'torch.distributed.checkpoint', 'torch.distributed.tensor'))}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

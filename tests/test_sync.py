@@ -222,8 +222,8 @@ def _lonely_worker(stop, patience: float, steps: int = 1):
     of round 1 at step 4)."""
     import threading  # noqa: PLC0415
 
-    from diloco.replica import Synchronizer  # noqa: PLC0415
     from diloco.run import new_run, open_run, plan_for  # noqa: PLC0415
+    from diloco.synchronizer import Synchronizer  # noqa: PLC0415
     from storage.objectstore import ObjectStore  # noqa: PLC0415
 
     cfg = SyncConfig(mode="diloco", sync_every=2, fragments=1)
@@ -265,7 +265,7 @@ def test_a_merge_blocked_on_a_mean_gives_up_after_the_stop_patience():
     import threading  # noqa: PLC0415
     import time  # noqa: PLC0415
 
-    from diloco.replica import MergeAbandoned  # noqa: PLC0415
+    from diloco.synchronizer import MergeAbandoned  # noqa: PLC0415
 
     stop = threading.Event()
     sync, t, outcome, _ = _lonely_worker(stop, patience=0.5)

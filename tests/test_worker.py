@@ -19,9 +19,9 @@ from diloco.run import open_run
 from storage.objectstore import ObjectStore
 from workers.config import load_config
 from workers.data.prepare import prepare_data
+from workers.loop import Interrupted, WorkerLoop, lr_at
 from workers.runs import create_run
 from workers.status import read_status
-from workers.train import Interrupted, WorkerLoop, lr_at
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -179,7 +179,7 @@ def _aggregate(args: argparse.Namespace, opts: dict | None) -> int:
 def _train(args: argparse.Namespace, opts: dict | None) -> int:
     import torch.distributed as dist  # noqa: PLC0415
 
-    from workers.train import Group, Interrupted, WorkerLoop  # noqa: PLC0415
+    from workers.loop import Group, Interrupted, WorkerLoop  # noqa: PLC0415
 
     group = Group.from_env()
     if group.size > 1:

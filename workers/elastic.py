@@ -14,7 +14,7 @@
   checkpoint is behind rounds already reduced, takes the canonical state at the
   run's newest merge point (`diloco.bootstrap.frontier`) instead of sending stale
   rounds; so does a worker that falls more than ``max_staleness`` rounds behind
-  during the run (`diloco.replica.Behind`).
+  during the run (`diloco.synchronizer.Behind`).
 - **Leave**: at a merge point (nothing of its own is in flight then), a worker asked
   to leave makes sure its rounds are committed, writes ``members/{name}/left.json``
   with its last round per fragment, and stops.
@@ -44,7 +44,7 @@ from storage.retry import outlast
 from storage.spec import RunManifest
 from workers.config import RunConfig
 
-#: a `workers.train.WorkerLoop` (not imported: it imports this module)
+#: a `workers.loop.WorkerLoop` (not imported: it imports this module)
 WorkerLoop = Any
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The inner step and its pieces: the learning-rate schedule, the device, AdamW,
 the batch's way to the device, the evaluation and bf16 autocast.
 
-Apart from the training loop (`workers.train`) so that the aggregator job, which
+Apart from the training loop (`workers.loop`) so that the aggregator job, which
 evaluates the canonical model, imports them without the loop, the islands and
 torch's FSDP and checkpoint machinery.
 """

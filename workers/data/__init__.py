@@ -35,7 +35,7 @@ The modules, one job each:
 
     sources.py    finding the text files and tables (paths, globs, fsspec URLs,
                   ``builtin:shakespeare``)
-    shards.py     finding and indexing token shards (.bin, .npy)
+    token_shards.py  finding and indexing token shards (.bin, .npy)
     index.py      preparing a dataset from shards: the index, and copies
     writer.py     streaming text into token shards
     tables.py     Parquet/Arrow sources

@@ -17,7 +17,7 @@ import fsspec
 
 from workers.data.errors import DataError
 from workers.data.manifest import Counts, FileEntry, ShardedManifest, ShardEntry, TokenizerEntry
-from workers.data.shards import ShardFile, find_shards, index_shard
+from workers.data.token_shards import ShardFile, find_shards, index_shard
 
 #: Store protocols whose workers can read a local path of the preparing machine.
 LOCAL_PROTOCOLS = ("file", "memory")

@@ -87,7 +87,7 @@ def prepare_data(
     batch by record batch from their ``column`` (None: the one text or token
     column); every table's schema is checked before anything is written.
 
-    Sources that are flat token shards (``.bin``/``.npy``, `workers.data.shards`)
+    Sources that are flat token shards (``.bin``/``.npy``, `workers.data.token_shards`)
     are indexed in place instead (`workers.data.index`): ``dtype`` is the id type
     of raw ``.bin`` files (``data.dtype``; default uint16, and it must agree with
     an ``.npy`` or llm.c header when given), ``min_tokens`` the fewest tokens a

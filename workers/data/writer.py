@@ -26,8 +26,8 @@ import numpy as np
 from storage.objectstore import ObjectStore
 from workers.data.errors import DataError
 from workers.data.manifest import ShardEntry
-from workers.data.shards import BLOCK_BYTES
 from workers.data.sources import SourceFile
+from workers.data.token_shards import BLOCK_BYTES
 from workers.tokenizer import HFTokenizer, Tokenizer
 
 #: Bytes of text read and tokenised at a time.

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from diloco.replica import Behind, MergeAbandoned, Synchronizer
 from diloco.run import load_initial, open_run, plan_for
 from diloco.schedule import Schedule
+from diloco.synchronizer import Behind, MergeAbandoned, Synchronizer
 from storage.objectstore import ObjectStore
 from storage.retry import outlast
 from workers import checkpoint, elastic, report
