@@ -49,8 +49,8 @@ from storage.spec import (
     FragmentEntry,
     ParamEntry,
     RunManifest,
-    create_run,
-    open_run,
+    read_manifest,
+    write_manifest,
 )
 
 FAST = RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.005)
@@ -118,11 +118,11 @@ def new_run(make_store) -> Callable[..., Run]:
 
     def make(codec_up: str = "int4", codec_down: str = "int8") -> Run:
         manifest = make_manifest(codec_up, codec_down)
-        create_run(make_store("admin"), manifest)
+        write_manifest(make_store("admin"), manifest)
         parties = {}
         for name in [*WORKERS, "agg"]:
             store = make_store(name, retry=FAST)
-            parties[name] = Exchange(store, open_run(store))
+            parties[name] = Exchange(store, read_manifest(store))
             store.traffic.reset()  # count the exchange only, not reading run.json
         return Run(manifest, parties, make_store("vandal", retry=FAST))
 
@@ -165,19 +165,19 @@ def chunk_key(commit: dict) -> str:
 def test_open_run_returns_the_manifest_created(make_store):
     store = make_store()
     manifest = make_manifest()
-    create_run(store, manifest)
-    opened = open_run(make_store("other"))
+    write_manifest(store, manifest)
+    opened = read_manifest(make_store("other"))
     assert opened == manifest
     assert opened.numel(0) == 1000 and opened.numel(1) == 300  # 20 * 10 + 100
 
 
 def test_create_run_twice_raises_run_exists_naming_the_url(make_store):
     store = make_store()
-    create_run(store, make_manifest())
+    write_manifest(store, make_manifest())
     before = store.get(layout.MANIFEST)
     assert_refused(
         RunExists,
-        lambda: create_run(make_store("second"), make_manifest(codec_up="int8")),
+        lambda: write_manifest(make_store("second"), make_manifest(codec_up="int8")),
         store.full_url(layout.MANIFEST),
     )
     assert store.get(layout.MANIFEST) == before  # the first manifest stays
@@ -185,14 +185,14 @@ def test_create_run_twice_raises_run_exists_naming_the_url(make_store):
 
 def test_open_run_without_manifest_names_the_url(make_store):
     store = make_store()
-    assert_refused(ManifestInvalid, lambda: open_run(store), store.full_url(layout.MANIFEST))
+    assert_refused(ManifestInvalid, lambda: read_manifest(store), store.full_url(layout.MANIFEST))
 
 
 def test_open_run_with_garbage_json(make_store):
     store = make_store()
     store.put(layout.MANIFEST, b'{"format": "diloco-flows/run/1", "run_id": ')
     assert_refused(
-        ManifestInvalid, lambda: open_run(store), store.full_url(layout.MANIFEST), "not valid JSON"
+        ManifestInvalid, lambda: read_manifest(store), store.full_url(layout.MANIFEST), "not valid JSON"
     )
 
 
@@ -206,7 +206,7 @@ def test_open_run_with_unknown_field(make_store):
     store = make_store()
     _write_manifest_dict(store, lambda d: d.update(codec_upp={"name": "int4"}))
     assert_refused(
-        ManifestInvalid, lambda: open_run(store), store.full_url(layout.MANIFEST), "codec_upp"
+        ManifestInvalid, lambda: read_manifest(store), store.full_url(layout.MANIFEST), "codec_upp"
     )
 
 
@@ -219,7 +219,7 @@ def test_open_run_with_fragment_numel_not_matching_param_shapes(make_store):
     _write_manifest_dict(store, edit)
     assert_refused(
         ManifestInvalid,
-        lambda: open_run(store),
+        lambda: read_manifest(store),
         store.full_url(layout.MANIFEST),
         "fragments.1",
         "numel 301 != sum of parameter sizes 300",
@@ -231,7 +231,7 @@ def test_open_run_with_unknown_codec(make_store):
     _write_manifest_dict(store, lambda d: d["codec_down"].update(name="int3"))
     assert_refused(
         ManifestInvalid,
-        lambda: open_run(store),
+        lambda: read_manifest(store),
         store.full_url(layout.MANIFEST),
         "'int3'",
         "allowed: none, fp16, int8, int4, fp4-e3m0",
@@ -241,7 +241,7 @@ def test_open_run_with_unknown_codec(make_store):
 def test_open_run_with_unknown_codec_names_the_field(make_store):
     store = make_store()
     _write_manifest_dict(store, lambda d: d["codec_down"].update(name="int3"))
-    message = assert_refused(ManifestInvalid, lambda: open_run(store))
+    message = assert_refused(ManifestInvalid, lambda: read_manifest(store))
     # as a location ("codec_down", "codec_down.name: ..."), not inside pydantic's
     # echo of the input ("{'codec_down': {...") which names every field
     assert re.search(r"(?<!')\bcodec_down\b(?!')", message), message
