@@ -241,3 +241,22 @@ def test_a_fault_free_run_with_jitter_equals_the_strict_run(dataset):
     _clean(report)
     assert report["applied_late"] == 0 and report["dropped_stale"] == 0
     assert run.aggregator.stats.late == 0 and strict.aggregator.stats.late == 0
+
+
+def test_a_leave_check_the_store_keeps_failing_does_not_stop_training(caplog):
+    """A worker reads ``control/leave/<name>.json`` at its merges; when the store keeps
+    failing that read (a flaky S3), it trains on and reads again at the next merge
+    (the campaign's flaky-S3 trial once ended a worker with exit 2 here)."""
+    import types  # noqa: PLC0415
+
+    from storage.errors import TransientStoreError  # noqa: PLC0415
+    from workers import elastic  # noqa: PLC0415
+
+    class Down:
+        def exists(self, key: str) -> bool:
+            raise TransientStoreError(f"exists {key} failed after 6 attempts")
+
+    loop = types.SimpleNamespace(store=Down(), worker="w0")
+    with caplog.at_level("WARNING", logger="workers.elastic"):
+        assert elastic.asked_to_leave(loop) is False
+    assert "read again at the next merge" in caplog.text

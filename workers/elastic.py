@@ -39,6 +39,7 @@ from diloco.membership import (
     wait_admission,
 )
 from storage import layout
+from storage.errors import TransientStoreError
 from storage.objectstore import ObjectStore
 from storage.retry import outlast
 from storage.spec import RunManifest
@@ -177,7 +178,15 @@ def leaving(loop: WorkerLoop, step: int | None = None) -> bool:
 
 
 def asked_to_leave(loop: WorkerLoop) -> bool:
-    return leave_requested(loop.store, loop.worker)
+    """Whether ``diloco leave`` asked this worker to leave. A store that keeps failing
+    the read does not stop training over it: the request is read again at the next
+    merge (a leave is never urgent)."""
+    try:
+        return leave_requested(loop.store, loop.worker)
+    except TransientStoreError as exc:
+        log.warning("%s: could not read whether it is asked to leave (read again at the "
+                    "next merge): %s", loop.worker, exc)
+        return False
 
 
 def already_left(loop: WorkerLoop) -> bool:
