@@ -20,7 +20,7 @@ every scenario; the faults hit w3 (w4 joins):
 - ``straggler``: w3 sleeps (factor - 1) x its own step time after every step;
 - ``join``: w4 joins (``--join``) when w0 is halfway.
 
-The lease and the grace bounds are short (sync.lease_s, grace_min_s, grace_max_s)
+The lease and the grace bounds are short (sync.liveness.lease_s, grace_min_s, grace_max_s)
 so that a scenario lasts a minute or two instead of a cross-region run's minutes.
 
 Measured from the store after each run: *applied tokens* (each mean commit's weight
@@ -81,9 +81,9 @@ def overrides(args: argparse.Namespace, data_url: str) -> list[str]:
         "optim.warmup_steps=10", f"train.steps={args.steps}", "train.eval_every=0",
         "train.eval_batches=16", f"train.checkpoint_every={args.sync_every}",
         "train.log_every=1", "train.threads=1", "train.seed=0", "train.keep_checkpoints=0",
-        f"sync.sync_every={args.sync_every}", f"sync.lease_s={args.lease_s}",
-        f"sync.grace_min_s={args.grace_min_s}", f"sync.grace_max_s={args.grace_max_s}",
-        "sync.poll_max_s=0.1", "sync.absent_deadline_s=5", "sync.stall_after_s=600",
+        f"sync.schedule.sync_every={args.sync_every}", f"sync.liveness.lease_s={args.lease_s}",
+        f"sync.membership.grace_min_s={args.grace_min_s}", f"sync.membership.grace_max_s={args.grace_max_s}",
+        "sync.liveness.poll_max_s=0.1", "sync.membership.absent_deadline_s=5", "sync.liveness.stall_after_s=600",
     ]
 
 
@@ -370,7 +370,7 @@ class CanonicalEval:
 
         torch.set_num_threads(1)
         self.ex = ex
-        cfg = RunConfig.model_validate(ex.manifest.config)
+        cfg = RunConfig.stored(ex.manifest.config)
         self.model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)
         self.plan = plan_for(self.model, cfg.sync)
         ds = open_dataset(cfg.dataset_url(url))
@@ -504,7 +504,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{s['model']}, {s['steps']} steps x {s['tokens_per_step']} tokens per worker, "
         f"streaming P = 2, H = {s['sync_every']}, int4 up / int8 down, seed 0; every party "
         "a process on a local directory store. Short lease and grace so that a scenario "
-        f"takes minutes: sync.lease_s = {s['lease_s']:g}, grace_min_s = "
+        f"takes minutes: sync.liveness.lease_s = {s['lease_s']:g}, grace_min_s = "
         f"{s['grace_min_s']:g}, grace_max_s = {s['grace_max_s']:g}. Every worker sleeps "
         f"{s.get('step_s', 0):g} s a step (simulated accelerator time: with 4-5 CPU-bound "
         "workers on 2 cores, killing one would speed up the others); the straggler "

@@ -45,7 +45,7 @@ def run_once(url: str, steps: int, strict: bool) -> dict[str, Any]:
     py = [sys.executable, "-m", "workers", "--run", url, "--log-level", "WARNING"]
     sets = [f"train.steps={steps}", "train.eval_every=0", "train.log_model=false"]
     if strict:
-        sets.append("sync.quorum=1.0")
+        sets.append("sync.membership.quorum=1.0")
     subprocess.run([*py, "--create", "--config", "tiny",
                     *[x for s in sets for x in ("--set", s)]],
                    check=True, cwd=ROOT, capture_output=True)
@@ -68,7 +68,7 @@ def outcome(url: str) -> dict[str, Any]:
     from workers.model import build_model  # noqa: PLC0415
 
     ex = open_run(url)
-    cfg = RunConfig.model_validate(ex.manifest.config)
+    cfg = RunConfig.stored(ex.manifest.config)
     model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)
     load_canonical(ex, plan_for(model, cfg.sync), model)
     digest = hashlib.sha256()

@@ -9,7 +9,7 @@ threads of this process. Lateness is made, not waited for: the aggregator's
 benchmark hook (``hold_back``) keeps worker 1's contribution out of every
 ``--late-every``-th round of each fragment, so that round is reduced without it (as
 after a grace window) and the contribution is settled in the next mean exactly as a
-real late one is, by ``sync.late``:
+real late one is, by ``sync.membership.late``:
 
 - ``fold``: it joins the next mean at its token weight;
 - ``decay``: the same, its weight halved for each round it is late;
@@ -37,7 +37,7 @@ POLICIES = ("fold", "decay", "drop")
 def overrides(workers: int, steps: int, data_url: str) -> list[str]:
     names = ",".join(f"w{i}" for i in range(workers))
     return [*reference_overrides(steps, data_url), *MODES["streaming"], *CODECS["int4"],
-            "sync.sync_every=50", f"workers=[{names}]", "sync.grace_s=0"]
+            "sync.schedule.sync_every=50", f"workers=[{names}]", "sync.membership.grace_s=0"]
 
 
 def train(url: str, cfg_overrides: list[str], late_every: int | None) -> dict[str, Any]:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = {"on time": train(str(work / f"m{m}-on-time"), base, None)}
             for policy in [x for x in args.policies.split(",") if x]:
                 runs[policy] = train(str(work / f"m{m}-{policy}"),
-                                     [*base, f"sync.late={policy}"], args.late_every)
+                                     [*base, f"sync.membership.late={policy}"], args.late_every)
                 print(f"M {m} {policy}: {runs[policy]}", flush=True)
             out[str(m)] = runs
         return out

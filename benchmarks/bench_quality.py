@@ -173,7 +173,7 @@ def _outer(r: dict[str, Any]) -> str:
     from diloco.config import OUTER_DEFAULTS  # noqa: PLC0415
 
     # the config's mode (pure-eager is eager, streaming-auto streaming)
-    mode = next(o.split("=", 1)[1] for o in MODES[r["mode"]] if o.startswith("sync.mode="))
+    mode = next(o.split("=", 1)[1] for o in MODES[r["mode"]] if o.startswith("sync.schedule.mode="))
     lr = r["outer_lr"] if r["outer_lr"] is not None else OUTER_DEFAULTS[mode][0]
     mu = r["outer_momentum"] if r["outer_momentum"] is not None else OUTER_DEFAULTS[mode][1]
     return f"{lr:g} / {mu:g}"

@@ -54,7 +54,10 @@ class _Flat(nn.Module):
 
 def make_run(root: str, shards: int, n: int, workers: int, codec: str, rounds: int) -> int:
     """Create the run and commit every contribution; returns their encoded bytes."""
-    cfg = SyncConfig(mode="diloco", sync_every=1, fragments=1, codec_up=codec, codec_down=codec)
+    cfg = SyncConfig(
+        schedule={"mode": "diloco", "sync_every": 1, "fragments": 1},
+        codec={"up": codec, "down": codec},
+    )
     names = [f"w{i}" for i in range(workers)]
     new_run(ObjectStore(root), _Flat(n), cfg, workers=names, total_steps=rounds,
             user_config={"aggregator": {"shards": shards}})

@@ -133,7 +133,7 @@ def expected_per_step(cfg: Any, num_parameters: int) -> dict[str, float]:
     from diloco import arithmetic as ar  # noqa: PLC0415
 
     s = ar.Setup.of(cfg.sync, num_parameters, len(cfg.workers), cfg.train.steps)
-    w, h = ar.per_round(s)["worker"], cfg.sync.sync_every
+    w, h = ar.per_round(s)["worker"], cfg.sync.schedule.sync_every
     return {"bytes_up": w.up / h, "bytes_down": w.down / h}
 
 
@@ -167,9 +167,9 @@ def measure_contender(c: Contender, base: list[str], server: MotoS3Server,
         wire = {w: p.counts() for w, p in proxies.items()}
         for p in proxies.values():
             p.close()
-    sched = Schedule(cfg.sync.sync_every, cfg.sync.fragments, cfg.sync.send_offset)
-    final = [sched.has_final_round(p, cfg.train.steps, cfg.sync.merge_alpha)
-             for p in range(cfg.sync.fragments)]
+    sched = Schedule.of(cfg.sync.schedule)
+    final = [sched.has_final_round(p, cfg.train.steps, cfg.sync.schedule.merge_alpha)
+             for p in range(cfg.sync.schedule.fragments)]
     steps = cfg.train.steps
     workers = {}
     for w, res in out.workers.items():
@@ -183,7 +183,7 @@ def measure_contender(c: Contender, base: list[str], server: MotoS3Server,
         # the part of it that goes up (request lines and headers): what an upload costs
         overhead_up = (wire[w]["up"] - t["total"]["bytes_up"] - status["bytes_up"]) \
             / max(1, requests)
-        steady = steady_state(res, out.rounds, cfg.sync.sync_every, final)
+        steady = steady_state(res, out.rounds, cfg.sync.schedule.sync_every, final)
         peak_up = max(t["delta_payload_bytes"].values(), default=0)
         peak_down = max(t["mean_payload_bytes"].values(), default=0)
         workers[w] = {
@@ -202,7 +202,7 @@ def measure_contender(c: Contender, base: list[str], server: MotoS3Server,
         }
     return {"contender": c.name, "mode": c.mode, "codec": c.codec, "M": c.workers,
             "expected_per_step": expected_per_step(cfg, out.num_parameters),
-            "sync_every": cfg.sync.sync_every, "fragments": cfg.sync.fragments,
+            "sync_every": cfg.sync.schedule.sync_every, "fragments": cfg.sync.schedule.fragments,
             "steps": steps, "rounds": out.rounds, "final_round": final,
             "eval_loss": out.eval_loss, "seconds": out.seconds,
             "num_parameters": out.num_parameters, "workers": workers}

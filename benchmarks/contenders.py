@@ -80,13 +80,13 @@ class Contender:
         if self.mode == "data-parallel":
             return [*out, "train.strategy=data_parallel", *self.extra]
         # a codec pair may set its own H (the sparse ones sync more often): it comes last
-        out += [*MODES[self.mode], f"sync.sync_every={self.sync_every}", *CODECS[self.codec]]
+        out += [*MODES[self.mode], f"sync.schedule.sync_every={self.sync_every}", *CODECS[self.codec]]
         if self.fragments is not None:
-            out.append(f"sync.fragments={self.fragments}")
+            out.append(f"sync.schedule.fragments={self.fragments}")
         if self.outer_lr is not None:
-            out.append(f"sync.outer_lr={self.outer_lr}")
+            out.append(f"sync.outer.lr={self.outer_lr}")
         if self.outer_momentum is not None:
-            out.append(f"sync.outer_momentum={self.outer_momentum}")
+            out.append(f"sync.outer.momentum={self.outer_momentum}")
         return [*out, *self.extra]
 
     def with_outer(self, lr: float | None, mu: float | None) -> Contender:

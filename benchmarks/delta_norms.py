@@ -7,8 +7,8 @@ Trains each setup (every worker and the aggregator in threads of this process,
 ``quorum: 1.0``, so every contribution is on time and honest) or reads finished runs,
 and reports per run, over every (fragment, round): the largest and median accepted
 contribution's norm over the norm of its fragment's initial parameters (what
-``sync.norm_guard_params`` multiplies) and the largest spread inside one mean
-(largest over smallest norm: what ``sync.norm_guard`` bounds from round 0 when a
+``sync.guard.params_ratio`` multiplies) and the largest spread inside one mean
+(largest over smallest norm: what ``sync.guard.ratio`` bounds from round 0 when a
 mean has three or more). `diloco.audit.norm_ratios` computes them from the store.
 
 Setups: ``tiny`` (the default recipe, 240 steps, streaming P 2), ``reference`` (the
@@ -31,14 +31,14 @@ SETUPS: dict[str, list[str]] = {
     "tiny": [],
     "reference": [f"model.overrides={REFERENCE_MODEL}", "data.seq_len=64",
                   "data.batch_size=16", "optim.lr=3e-3", "optim.warmup_steps=30",
-                  "train.steps=300", "sync.mode=diloco", "sync.fragments=1",
-                  "sync.overlap=0", "sync.sync_every=50", "workers=[a, b, c, d]"],
+                  "train.steps=300", "sync.schedule.mode=diloco", "sync.schedule.fragments=1",
+                  "sync.schedule.overlap=0", "sync.schedule.sync_every=50", "workers=[a, b, c, d]"],
     "micro": ["model.overrides={d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}",
               "data.seq_len=16", "data.batch_size=4", "optim.warmup_steps=2",
-              "optim.lr=0.01", "sync.sync_every=4", "sync.fragments=2", "sync.overlap=1",
+              "optim.lr=0.01", "sync.schedule.sync_every=4", "sync.schedule.fragments=2", "sync.schedule.overlap=1",
               "train.steps=64"],
 }
-COMMON = ["sync.quorum=1.0", "train.eval_every=0", "train.checkpoint_every=0",
+COMMON = ["sync.membership.quorum=1.0", "train.eval_every=0", "train.checkpoint_every=0",
           "train.threads=1"]
 
 
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     runs, seconds = timed(measure)
     defaults = SyncConfig()
     publish(args.out, {"runs": runs, "wall_seconds": seconds,
-                       "norm_guard_params": defaults.norm_guard_params,
-                       "norm_guard": defaults.norm_guard}, markdown, args.results_dir)
+                       "norm_guard_params": defaults.guard.params_ratio,
+                       "norm_guard": defaults.guard.ratio}, markdown, args.results_dir)
     return 0
 
 

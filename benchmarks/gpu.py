@@ -29,7 +29,7 @@ Sections:
                the payload copied to the host included), in GB/s of float32 input, and
                whether the GPU's payload and decoded values equal the host's bit for bit.
 ``exchange``   a worker's send (its outer gradient) and merge on the training loop,
-               per round, with ``sync.outer_device`` cpu and device: a short real run
+               per round, with ``sync.outer.device`` cpu and device: a short real run
                of gpu-150m (one worker, the aggregator in a thread, H = 2P), stage by
                stage (`benchmarks.stages`), and the blocked share these give at the
                recipe's H with the measured step.
@@ -434,9 +434,9 @@ def exchange_section(device: torch.device, quick: bool, left: Callable[[], float
             rows.append({"outer_device": outer, "skipped": f"{left():.0f} s left"})
             continue
         cfg0 = load_config(recipe, [])
-        p = cfg0.sync.fragments
+        p = cfg0.sync.schedule.fragments
         steps = 3 * 2 * p
-        extra = [f"sync.outer_device={outer}", f"sync.sync_every={2 * p}", "sync.overlap=1"]
+        extra = [f"sync.outer.device={outer}", f"sync.schedule.sync_every={2 * p}", "sync.schedule.overlap=1"]
         if quick:
             extra += ["data.batch_size=4", "data.seq_len=64"]
         cfg = load_config(recipe, run_overrides(device, data, steps, ["gpu-0"]) + extra)
@@ -461,7 +461,7 @@ def exchange_section(device: torch.device, quick: bool, left: Callable[[], float
         })
     step = _recipe_step_s(inner, recipe)
     cfg = load_config(recipe, [])
-    stride = cfg.sync.sync_every // cfg.sync.fragments
+    stride = cfg.sync.schedule.sync_every // cfg.sync.schedule.fragments
     for row in rows:
         if step and row.get("send_ms") is not None:
             b = (row["send_ms"] + row["merge_ms"]) / 1e3
@@ -502,8 +502,8 @@ def streaming_section(device: torch.device, quick: bool, left: Callable[[], floa
         steps = max(96, min(steps, fits // 48 * 48))
     # two workers share one card: a quarter of the recipe's tokens a step each (16 x
     # 1024 x 2), so that both fit an 80 GB card and 200 steps fit the check's minutes
-    extra = ["data.batch_size=4", "data.seq_len=64", "sync.sync_every=8", "sync.overlap=1"] \
-        if quick else ["sync.sync_every=48", "data.batch_size=16", "optim.grad_accum=2"]
+    extra = ["data.batch_size=4", "data.seq_len=64", "sync.schedule.sync_every=8", "sync.schedule.overlap=1"] \
+        if quick else ["sync.schedule.sync_every=48", "data.batch_size=16", "optim.grad_accum=2"]
     cfg = load_config(recipe, run_overrides(device, data, steps, workers) + extra)
     url = str(root / "streaming")
     shutil.rmtree(url, ignore_errors=True)
@@ -553,8 +553,8 @@ def streaming_section(device: torch.device, quick: bool, left: Callable[[], floa
     rounds = max(1, len(agg.stats.rounds))
     aggregator = {k: round(v["seconds"] / rounds * 1e3, 1) for k, v in clock.report().items()}
     return {"recipe": recipe, "steps": steps, "workers": len(workers),
-            "sync_every": cfg.sync.sync_every, "fragments": cfg.sync.fragments,
-            "mode": cfg.sync.mode, "codec_up": cfg.sync.codec_up, "codec_down": cfg.sync.codec_down,
+            "sync_every": cfg.sync.schedule.sync_every, "fragments": cfg.sync.schedule.fragments,
+            "mode": cfg.sync.schedule.mode, "codec_up": cfg.sync.codec.up, "codec_down": cfg.sync.codec.down,
             "canonical_eval_loss": round(eval_loss, 4), "wall_s": round(wall, 1),
             "aggregator_done": agg.done, "aggregator_rounds": len(agg.stats.rounds),
             "aggregator_ms_per_round": aggregator, "rows": rows}

@@ -51,29 +51,29 @@ def reference_overrides(steps: int = 600, data_url: str | None = None, *,
     if data_url:
         out.append(f"data.dataset={data_url}")
     if every_member:
-        out.append("sync.quorum=1.0")
+        out.append("sync.membership.quorum=1.0")
     return out
 
 
 # Synchronisation modes (docs/algorithms.md sections 4-6); H is set per contender.
 MODES: dict[str, list[str]] = {
-    "diloco": ["sync.mode=diloco", "sync.fragments=1", "sync.overlap=0"],
-    "streaming": ["sync.mode=streaming", "sync.fragments=2", "sync.overlap=1",
-                  "sync.alpha=0.5"],
+    "diloco": ["sync.schedule.mode=diloco", "sync.schedule.fragments=1", "sync.schedule.overlap=0"],
+    "streaming": ["sync.schedule.mode=streaming", "sync.schedule.fragments=2", "sync.schedule.overlap=1",
+                  "sync.schedule.alpha=0.5"],
     # tau sized per merge point to the measured exchange latency (diloco/overlap.py)
-    "streaming-auto": ["sync.mode=streaming", "sync.fragments=2", "sync.overlap=auto",
-                       "sync.alpha=0.5"],
+    "streaming-auto": ["sync.schedule.mode=streaming", "sync.schedule.fragments=2", "sync.schedule.overlap=auto",
+                       "sync.schedule.alpha=0.5"],
     # the same, its first two merge points at tau 1 (they wait one round trip each)
-    "streaming-auto-1": ["sync.mode=streaming", "sync.fragments=2", "sync.overlap=auto",
-                         "sync.overlap_start=1", "sync.alpha=0.5"],
-    "eager": ["sync.mode=eager", "sync.eager_rule=adaptive", "sync.fragments=2",
-              "sync.overlap=1", "sync.alpha=0.5"],
-    "pure-eager": ["sync.mode=eager", "sync.eager_rule=pure", "sync.fragments=2",
-                   "sync.overlap=0"],
+    "streaming-auto-1": ["sync.schedule.mode=streaming", "sync.schedule.fragments=2", "sync.schedule.overlap=auto",
+                         "sync.schedule.overlap_start=1", "sync.schedule.alpha=0.5"],
+    "eager": ["sync.schedule.mode=eager", "sync.schedule.eager_rule=adaptive", "sync.schedule.fragments=2",
+              "sync.schedule.overlap=1", "sync.schedule.alpha=0.5"],
+    "pure-eager": ["sync.schedule.mode=eager", "sync.schedule.eager_rule=pure", "sync.schedule.fragments=2",
+                   "sync.schedule.overlap=0"],
     # never waits, and the means are on time: the best never-waiting setting of the
     # eager sweep (benchmarks/results/eager-sweep.jsonl); needs H/P > 12
-    "eager-tau12": ["sync.mode=eager", "sync.eager_rule=adaptive", "sync.fragments=2",
-                    "sync.overlap=12", "sync.alpha=0.3"],
+    "eager-tau12": ["sync.schedule.mode=eager", "sync.schedule.eager_rule=adaptive", "sync.schedule.fragments=2",
+                    "sync.schedule.overlap=12", "sync.schedule.alpha=0.3"],
 }
 MODE_LABELS = {
     "data-parallel": "data-parallel",
@@ -91,17 +91,17 @@ MODE_LABELS = {
 # aggregator's int8 mean (``topk2``) or each worker summing its peers' contributions
 # (``topk2-peers``).
 CODECS: dict[str, list[str]] = {
-    "fp32": ["sync.codec_up=none", "sync.codec_down=none"],
-    "int4": ["sync.codec_up=int4", "sync.codec_down=int8"],
-    "topk2": ["sync.codec_up=topk2", "sync.codec_down=int8", "sync.mean_from=aggregator"],
-    "topk2-peers": ["sync.codec_up=topk2", "sync.mean_from=peers"],
-    "topk4-peers": ["sync.codec_up=topk4", "sync.mean_from=peers"],
+    "fp32": ["sync.codec.up=none", "sync.codec.down=none"],
+    "int4": ["sync.codec.up=int4", "sync.codec.down=int8"],
+    "topk2": ["sync.codec.up=topk2", "sync.codec.down=int8", "sync.codec.mean_from=aggregator"],
+    "topk2-peers": ["sync.codec.up=topk2", "sync.codec.mean_from=peers"],
+    "topk4-peers": ["sync.codec.up=topk4", "sync.codec.mean_from=peers"],
     # sparse exchange pays off with frequent rounds: H = 8 with the k that keeps the
     # upload 2,000x below data-parallel's at M = 2 (33) and at M = 4 (62)
-    "topk2-h8": ["sync.codec_up=topk2", "sync.mean_from=peers", "sync.sync_every=8",
-                 "sync.sparse_k=33"],
-    "topk2-h8-k62": ["sync.codec_up=topk2", "sync.mean_from=peers", "sync.sync_every=8",
-                     "sync.sparse_k=62"],
+    "topk2-h8": ["sync.codec.up=topk2", "sync.codec.mean_from=peers", "sync.schedule.sync_every=8",
+                 "sync.codec.k=33"],
+    "topk2-h8-k62": ["sync.codec.up=topk2", "sync.codec.mean_from=peers", "sync.schedule.sync_every=8",
+                     "sync.codec.k=62"],
 }
 CODEC_LABELS = {"fp32": "float32", "int4": "int4 up / int8 down",
                 "topk2": "top-64/4096 2-bit up / int8 down",

@@ -11,11 +11,11 @@ one process per size, so that the aggregator's peak RSS is this process's).
 workers (``w0``, ``w1``), its own P, on the CPU with one torch thread per worker,
 on local disk (``file://``), the byte-level Shakespeare dataset
 (``benchmarks.recipe.ensure_dataset``; gpu-150m's 32k vocabulary holds the 256 byte
-ids), and these changes, which the table states: ``sync.overlap=auto`` and
-``sync.mode=streaming`` (auto needs it; gpu-150m's recipe is eager),
-``sync.sync_every = P * stride`` and ``train.steps = H + stride``, so that fragment 0
+ids), and these changes, which the table states: ``sync.schedule.overlap=auto`` and
+``sync.schedule.mode=streaming`` (auto needs it; gpu-150m's recipe is eager),
+``sync.schedule.sync_every = P * stride`` and ``train.steps = H + stride``, so that fragment 0
 completes two scheduled rounds and every fragment a final one (the drain);
-``sync.quorum=1.0`` (every round waits for both workers, as on a quiet machine);
+``sync.membership.quorum=1.0`` (every round waits for both workers, as on a quiet machine);
 a smaller ``data.seq_len`` and ``data.batch_size`` (a CPU step of the recipe's
 batch takes too long here), ``optim.grad_accum=1``; no evaluation until the end
 (one batch) and no periodic checkpoints.
@@ -64,14 +64,14 @@ def overrides(size: str, stride: int, seq_len: int, batch_size: int, data_url: s
     """The ``--set`` list of the run (see the module docstring) and its H."""
     from workers.config import load_config  # noqa: PLC0415
 
-    p = load_config(SIZES[size].recipe).sync.fragments
+    p = load_config(SIZES[size].recipe).sync.schedule.fragments
     h = p * stride
     return ["workers=[w0, w1]", f"name=bench-scale-{size}", f"train.steps={h + stride}",
             "train.eval_every=0", "train.eval_batches=1", "train.checkpoint_every=0",
             "train.threads=1", "train.device=cpu", f"data.dataset={data_url}",
             "data.tokenizer=byte", "data.split=even", f"data.seq_len={seq_len}",
-            f"data.batch_size={batch_size}", "optim.grad_accum=1", "sync.mode=streaming",
-            "sync.overlap=auto", f"sync.sync_every={h}", "sync.quorum=1.0", *extra], h
+            f"data.batch_size={batch_size}", "optim.grad_accum=1", "sync.schedule.mode=streaming",
+            "sync.schedule.overlap=auto", f"sync.schedule.sync_every={h}", "sync.membership.quorum=1.0", *extra], h
 
 
 def per_round(stages: dict[str, dict[str, float]], names: tuple[str, ...],
@@ -146,10 +146,10 @@ def run(size: str, stride: int, seq_len: int, batch_size: int, extra: list[str]
     latency = sum(v for k, v in stage_s.items() if k not in ON_LOOP)
     return {
         "size": size, "recipe": SIZES[size].recipe, "params": n, "workers": len(results),
-        "fragments": cfg.sync.fragments, "sync_every": h, "steps": cfg.train.steps,
-        "recipe_sync_every": load_config(SIZES[size].recipe).sync.sync_every,
+        "fragments": cfg.sync.schedule.fragments, "sync_every": h, "steps": cfg.train.steps,
+        "recipe_sync_every": load_config(SIZES[size].recipe).sync.schedule.sync_every,
         "seq_len": cfg.data.seq_len, "batch_size": cfg.data.batch_size,
-        "up": cfg.sync.codec_up, "down": cfg.sync.codec_down,
+        "up": cfg.sync.codec.up, "down": cfg.sync.codec.down,
         "overrides": sets, "wall_s": round(wall, 1), "aggregator_rounds": rounds,
         "completed": bool(agg is not None and agg.done and rounds >= 2),
         "stages_s": {k: round(v, 4) for k, v in stage_s.items()},

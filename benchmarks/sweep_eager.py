@@ -3,7 +3,7 @@ outer lr and momentum, on the quality benchmark's recipe (600 steps, H = 50, P =
 tau = 1, alpha = 0.5, int4 up / int8 down unless overridden).
 
     .venv/bin/python -m benchmarks.sweep_eager OUT.jsonl SPEC [SPEC ...]
-    SPEC = rule:M:lr:mu[:override,override...]   e.g. adaptive:2:1.0:0:sync.overlap=12
+    SPEC = rule:M:lr:mu[:override,override...]   e.g. adaptive:2:1.0:0:sync.schedule.overlap=12
 
 ``rule`` is an ``eager_rule`` (adaptive, pure) or ``streaming`` for the
 reference that waits; the overrides are any config fields (``codec=fp32`` picks a
@@ -46,7 +46,7 @@ def parse(spec: str) -> Contender:
     elif rule == "streaming":
         mode = "streaming"
     else:
-        mode, extra = "eager", [f"sync.eager_rule={rule}", *extra]
+        mode, extra = "eager", [f"sync.schedule.eager_rule={rule}", *extra]
     return Contender(mode, codec, int(parts[1]), outer_lr=float(parts[2]),
                      outer_momentum=float(parts[3]), extra=tuple(extra))
 

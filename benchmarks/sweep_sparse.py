@@ -3,7 +3,7 @@ sparse codecs, on the quality benchmark's recipe (600 steps, M workers, streamin
 P = 2, tau = 1, outer lr 1 / momentum 0).
 
     .venv/bin/python -m benchmarks.sweep_sparse OUT.jsonl SPEC [SPEC ...]
-    SPEC = codec:M:H[:override,override...]   e.g. topk2-peers:2:10:sync.sparse_k=34
+    SPEC = codec:M:H[:override,override...]   e.g. topk2-peers:2:10:sync.codec.k=34
 
 ``codec`` is a codec pair of benchmarks/recipe.py; the overrides are any config
 fields. Each finished contender appends one JSON line to OUT.jsonl (so an

@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import warnings
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -40,6 +42,23 @@ def width_for(stream: object) -> int | None:
 
 console = Console(width=width_for(sys.stdout))
 errors = Console(stderr=True, width=width_for(sys.stderr))
+
+
+def _one_line_deprecations(show: Any) -> Any:
+    """``warnings.showwarning`` that prints a recipe's deprecated key as one line
+    (``warning: tiny.yaml: sync.sync_every is deprecated; use ...``), not Python's
+    file, line and source; every other warning as before."""
+    def showwarning(message: Warning | str, category: type[Warning], *args: Any,
+                    **kwargs: Any) -> None:
+        if category.__name__ == "DeprecatedKey":
+            errors.print(f"[yellow]warning:[/] {escape(str(message))}", highlight=False,
+                         soft_wrap=True)
+        else:
+            show(message, category, *args, **kwargs)
+    return showwarning
+
+
+warnings.showwarning = _one_line_deprecations(warnings.showwarning)
 
 EXIT_FAILED, EXIT_USAGE, EXIT_CANCELLED, EXIT_INTERRUPTED = 1, 2, 3, 130
 

@@ -19,16 +19,23 @@ from rich.table import Table
 
 from cli.console import fail, user_errors
 from diloco import arithmetic as ar
-from diloco.config import SyncConfig
+from diloco.config import SyncConfig, nest_flat_keys
 from storage.traffic import human_bytes
 
 DEFAULT_PROVIDERS = ["aws", "gcp", "azure", "cloudflare"]
 
 
-def _sync(base: SyncConfig, changes: dict[str, Any]) -> SyncConfig:
-    """``base`` with the command line's changes, validated like a config file."""
+def _sync(base: dict[str, Any], changes: dict[str, dict[str, Any]]) -> SyncConfig:
+    """The ``sync`` tree as written (``base``) with the command line's changes per
+    section, validated like a config file: defaults that depend on a changed field
+    (a sparse codec's k and way down) follow the change."""
+    base, _ = nest_flat_keys(base)  # an old recipe's flat keys: load_config warned
+    tree = {**base}
+    for section, fields in changes.items():
+        if fields:
+            tree[section] = {**(base.get(section) or {}), **fields}
     try:
-        return SyncConfig(**{**base.model_dump(), **changes})
+        return SyncConfig(**tree)
     except ValidationError as exc:
         first = exc.errors()[0]
         msg = str(first["msg"]).removeprefix("Value error, ")
@@ -37,18 +44,20 @@ def _sync(base: SyncConfig, changes: dict[str, Any]) -> SyncConfig:
 
 
 def _base(config: str | None, overrides: list[str], params: float | None
-          ) -> tuple[int | None, SyncConfig, int, int]:
-    """(parameters, sync, workers, steps) from a recipe or YAML, or the defaults."""
+          ) -> tuple[int | None, dict[str, Any], int, int]:
+    """(parameters, the sync tree as written, workers, steps) from a recipe or YAML,
+    or the defaults."""
     if config is None and not overrides:
-        return None, SyncConfig(), 2, 600
-    from workers.config import load_config  # noqa: PLC0415 - torch
+        return None, {}, 2, 600
+    from workers.config import config_tree, load_config  # noqa: PLC0415 - torch
 
     try:
         cfg = load_config(config, overrides)
         n = None if params is not None else cfg.model.resolve().num_parameters()
+        sync = config_tree(config, overrides).get("sync") or {}
     except user_errors() as exc:
         raise fail(str(exc)) from None
-    return n, cfg.sync, len(cfg.workers), cfg.train.steps
+    return n, sync, len(cfg.workers), cfg.train.steps
 
 
 def rows(s: ar.Setup, mode: str, contenders: bool, provider: str, crossing: str,
@@ -134,17 +143,27 @@ def estimate(
     if overlap is not None and overlap != "auto" and not overlap.isdigit():
         raise fail(f"--overlap: a whole number of steps or auto, got {overlap!r}")
     tau = overlap if overlap in (None, "auto") else int(overlap)
-    changes = {k: v for k, v in {
-        "sync_every": sync_every, "fragments": fragments, "overlap": tau,
-        "codec_up": codec_up, "codec_down": codec_down, "mean_from": mean_from,
-        "sparse_k": sparse_k, "sparse_density": sparse_density}.items() if v is not None}
-    sync = _sync(base, changes)
+    if sparse_k is not None and sparse_density is not None:
+        raise fail("--sparse-k and --sparse-density: give one of them, not both")
+    k = sparse_k
+    if sparse_density is not None:
+        if not 0.0 < sparse_density <= 1.0:
+            raise fail(f"--sparse-density: must be in (0, 1], got {sparse_density}")
+        chunk = int((base.get("codec") or {}).get("chunk", base.get("sparse_chunk", 4096)))
+        k = max(1, min(chunk, round(sparse_density * chunk)))
+
+    def given(**fields: Any) -> dict[str, Any]:
+        return {name: v for name, v in fields.items() if v is not None}
+
+    sync = _sync(base, {
+        "schedule": given(sync_every=sync_every, fragments=fragments, overlap=tau),
+        "codec": given(up=codec_up, down=codec_down, mean_from=mean_from, k=k)})
     n = int(params) if params is not None else counted
     if n < 1:
         raise fail(f"--params: must be >= 1, got {params}")
     s = ar.Setup.of(sync, n, workers or m, steps or t, step_time)
     try:
-        found = {p: rows(s, sync.mode, contenders, p, crossing, worker_provider)
+        found = {p: rows(s, sync.schedule.mode, contenders, p, crossing, worker_provider)
                  for p in providers or DEFAULT_PROVIDERS}
     except ValueError as exc:
         raise fail(str(exc)) from None

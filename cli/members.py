@@ -36,7 +36,7 @@ def _finished(exchange: Any) -> bool:
 def _config(exchange: Any) -> Any:
     from workers.config import RunConfig  # noqa: PLC0415 - torch
 
-    return RunConfig.model_validate(exchange.manifest.config)
+    return RunConfig.stored(exchange.manifest.config)
 
 
 def members(exchange: Any) -> list[dict[str, Any]]:

@@ -144,20 +144,20 @@ class Aggregator:
         self.exchange = exchange
         self.manifest = exchange.manifest
         self.name = name
-        self.config = config or SyncConfig(**self.manifest.sync)
+        self.config = config or SyncConfig.stored(self.manifest.sync)
         self.fault = fault or (lambda stage, p, r: None)
         self.on_round = on_round
         #: told the stalled rounds when no round has been applied for
         #: ``stall_after_s`` (again every ``stall_after_s``), and [] when one is again
         self.on_stall = on_stall
         self.stats = AggregatorStats()
-        self.roster = Roster(exchange.store, self.manifest, lease_s=self.config.lease_s,
+        self.roster = Roster(exchange.store, self.manifest, lease_s=self.config.liveness.lease_s,
                              slots=slots or 2 * len(self.manifest.workers))
         self.gate = Gate(exchange, self.config, self.roster, name,
                          reduced=lambda p, r: r < self.next_round[p])
         self.pacer = Pacer(len(self.manifest.rounds))
         # a peers mean is never encoded: nothing is lost on the way down to feed back
-        self.feedback = (self.config.feedback(self.manifest.codec_down.name)
+        self.feedback = (self.config.codec.feedback_down
                          and not exchange.from_peers)
         self._norms: dict[tuple[int, int], list[float]] = {}
         self._progress_at = time.monotonic()
@@ -180,7 +180,7 @@ class Aggregator:
         self.residual: list[torch.Tensor | None] = []
         self.next_round: list[int] = []
         for p, params in enumerate(init):
-            state = OuterState(params, self.config.eta, self.config.mu)
+            state = OuterState(params, self.config.outer.lr, self.config.outer.momentum)
             residual = None
             latest = latest_global(self.exchange, p)
             if latest is None:
@@ -217,14 +217,14 @@ class Aggregator:
         or ``timeout`` seconds pass (then TimeoutError)."""
         stop = stop or threading.Event()
         start = time.monotonic()
-        base = poll_interval if poll_interval is not None else self.config.poll_interval_s
+        base = poll_interval if poll_interval is not None else self.config.liveness.poll_interval_s
         delay = base
         while not self.done:
             if stop.is_set():
                 break
-            if outlast(self.poll_once, patience_s=self.config.outage_s, log=log,
+            if outlast(self.poll_once, patience_s=self.config.liveness.outage_s, log=log,
                        what=f"aggregator {self.name}", stop=stop.is_set,
-                       pause_s=self.config.poll_max_s):
+                       pause_s=self.config.liveness.poll_max_s):
                 delay = base
                 continue
             self._check_stall()
@@ -234,7 +234,7 @@ class Aggregator:
                     f"next rounds {self.next_round} of {self.manifest.rounds}"
                 )
             stop.wait(self.pacer.delay(time.monotonic(), self.open_rounds(), delay, base))
-            delay = min(delay * 1.5, self.config.poll_max_s)
+            delay = min(delay * 1.5, self.config.liveness.poll_max_s)
         return self.stats
 
     def open_rounds(self) -> list[tuple[int, int]]:
@@ -262,7 +262,7 @@ class Aggregator:
         run never waits silently (again every ``stall_after_s`` while it lasts)."""
         now = time.monotonic()
         waited = now - self._progress_at
-        if waited < self.config.stall_after_s or now - self._stall_reported < self.config.stall_after_s:
+        if waited < self.config.liveness.stall_after_s or now - self._stall_reported < self.config.liveness.stall_after_s:
             return
         self._stall_reported = now
         self.stalled = [
@@ -348,7 +348,7 @@ class Aggregator:
         with ``late: decay`` a contribution ``s`` rounds late counts ``2**-s`` of its
         tokens (staleness never raises a weight)."""
         scaled = dict(tokens)
-        if self.config.late == "decay":
+        if self.config.membership.late == "decay":
             for key in tokens:
                 s = r - contribution_of(key, r)[1]
                 scaled[key] = tokens[key] * LATE_DECAY ** s

@@ -143,13 +143,13 @@ class Setup:
         """A run with this sync config: the codecs, way down, overlap and what the
         aggregator checkpoints as the config decides them (``diloco estimate`` and the
         traffic benchmark both start here)."""
-        return cls(params=params, workers=workers, steps=steps, sync_every=sync.sync_every,
-                   fragments=sync.fragments, up=sync.up, down=sync.down,
-                   mean_from=sync.way_down, overlap=sync.send_offset,
-                   hide_steps=(sync.sync_every // sync.fragments - 1
-                               if sync.auto_overlap else None),
-                   merge_alpha=sync.merge_alpha, momentum=sync.mu > 0,
-                   residual=sync.feedback(sync.codec_down) and sync.way_down == "aggregator",
+        return cls(params=params, workers=workers, steps=steps, sync_every=sync.schedule.sync_every,
+                   fragments=sync.schedule.fragments, up=sync.up, down=sync.down,
+                   mean_from=sync.codec.mean_from, overlap=sync.schedule.send_offset,
+                   hide_steps=(sync.schedule.sync_every // sync.schedule.fragments - 1
+                               if sync.schedule.auto else None),
+                   merge_alpha=sync.schedule.merge_alpha, momentum=sync.outer.momentum > 0,
+                   residual=sync.codec.feedback_down and sync.codec.mean_from == "aggregator",
                    step_time_s=step_time_s, **more)
 
 

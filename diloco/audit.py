@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from diloco.config import SyncConfig
 from diloco.membership import Roster
 from storage.exchange import Exchange, contribution_of
 
@@ -87,7 +88,7 @@ def audit(exchange: Exchange) -> dict[str, Any]:
 def _may_still_come(exchange: Exchange, p: int, r: int, newest: int) -> bool:
     """A contribution that missed round ``r`` is settled within ``max_staleness``
     later rounds; before the newest mean reaches that far it may still be applied."""
-    staleness = int(exchange.manifest.sync.get("max_staleness", 2))
+    staleness = SyncConfig.stored(exchange.manifest.sync).membership.max_staleness
     return newest < r + max(1, staleness)
 
 

@@ -89,7 +89,7 @@ def frontier(exchange: Exchange, config: SyncConfig, *, poll_s: float = 0.1,
                 log.info("bootstrap: %s; looking again", exc)
                 time.sleep(poll_s)
                 continue
-            step = k * Schedule(config.sync_every, config.fragments, config.send_offset).stride
+            step = k * Schedule.of(config.schedule).stride
             step = min(step, exchange.manifest.total_steps)
             return Frontier(k, step, [r + 1 for r in need], outer)
         if stop() or time.monotonic() > deadline:
@@ -130,7 +130,7 @@ def state_after(exchange: Exchange, config: SyncConfig, p: int, r: int) -> Outer
         if k is not None and k <= r:
             checkpoints.append((k, key))
     if not checkpoints:
-        state, start = OuterState(load_initial(exchange, p + 1)[p], config.eta, config.mu), 0
+        state, start = OuterState(load_initial(exchange, p + 1)[p], config.outer.lr, config.outer.momentum), 0
     else:
         k, key = max(checkpoints)
         try:
@@ -138,7 +138,7 @@ def state_after(exchange: Exchange, config: SyncConfig, p: int, r: int) -> Outer
         except (ObjectMissing, PartialObject) as exc:  # pruned before or while we read
             raise Unavailable(f"fragment {p}: checkpoint round {k} was pruned") from exc
         momentum = arrays.get("momentum")
-        state = OuterState(torch.from_numpy(arrays["params"].copy()), config.eta, config.mu)
+        state = OuterState(torch.from_numpy(arrays["params"].copy()), config.outer.lr, config.outer.momentum)
         state.load(torch.from_numpy(arrays["params"].copy()),
                    None if momentum is None else torch.from_numpy(momentum.copy()))
         start = k + 1

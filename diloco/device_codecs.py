@@ -2,7 +2,7 @@
 `storage.codecs`, without taking a GPU's fragment through the host first.
 
 `storage.codecs` pins every payload to the bit in numpy, on the CPU. A worker
-training on a GPU with ``sync.outer_device: device`` holds its outer gradient and
+training on a GPU with ``sync.outer.device: device`` holds its outer gradient and
 error-feedback residual on the GPU; encoding there moves only the payload to the
 host (an eighth of the float32 bytes for int4, a fortieth for topk2) and keeps the
 encode off the host's cores. Every function here gives, for the same float32

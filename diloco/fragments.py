@@ -142,7 +142,7 @@ class FragmentPlan:
         model the pieces are copied without waiting, into pinned memory, and the stream
         is synchronised once at the end (on the CPU the same copies, in order).
         ``on_device``: the vector stays on the model's device instead (the outer state
-        kept there, ``sync.outer_device: device``): no host copy, no wait."""
+        kept there, ``sync.outer.device: device``): no host copy, no wait."""
         frag = self.fragments[index]
         named = dict(model.named_parameters())
         device = named[frag.params[0].name].device if frag.params else torch.device("cpu")
@@ -231,7 +231,7 @@ def _flat(param: torch.Tensor, spec: ParamSpec) -> torch.Tensor:
     if not param.is_contiguous():
         raise ValueError(
             f"parameter {spec.name} is not contiguous, so fragments cannot hold a piece of "
-            f"it: make it contiguous or set sync.split_tensors: false"
+            f"it: make it contiguous or set sync.schedule.split_tensors: false"
         )
     return param.detach().view(-1)[spec.start : spec.end]
 

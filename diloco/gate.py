@@ -77,7 +77,7 @@ class Gate:
         self.is_reduced = reduced
         self.manifest = exchange.manifest
         self.grace = Grace(config)
-        self.schedule = Schedule(config.sync_every, config.fragments, config.send_offset)
+        self.schedule = Schedule.of(config.schedule)
         self.inboxes: dict[tuple[int, int], Inbox] = {}
         #: per fragment: (worker, round) contributions that missed their round and may
         #: still be applied late (from the newest commit, so a restart keeps them)
@@ -145,7 +145,7 @@ class Gate:
         inbox.expected = self.expected(p, r)
         missing = inbox.expected - inbox.arrived
         cfg = self.config
-        need = max(cfg.min_quorum, math.ceil(cfg.quorum * len(inbox.expected)))
+        need = max(cfg.membership.min_quorum, math.ceil(cfg.membership.quorum * len(inbox.expected)))
         if len(inbox.arrived) >= need and inbox.quorum_at is None:
             inbox.quorum_at = now
         if not missing:
@@ -155,15 +155,15 @@ class Gate:
             return False
         coming = sorted(w for w in missing if self.roster.coming(w, self.held)
                         and not self._still_absent(w) and w not in inbox.withheld)
-        if coming and now - inbox.first < cfg.deadline_s:
+        if coming and now - inbox.first < cfg.membership.deadline_s:
             inbox.waiting, inbox.grace_from = coming, None
             return False
         if inbox.grace_from is None:  # the window counts from when no one is coming
             inbox.grace_from = now
         grace = self.grace.seconds(inbox.quorum_at, self._mean_at)
         if missing <= set(self.absent):
-            grace = min(grace, cfg.absent_deadline_s)
-        if now - inbox.grace_from < grace and now - inbox.first < cfg.deadline_s:
+            grace = min(grace, cfg.membership.absent_deadline_s)
+        if now - inbox.grace_from < grace and now - inbox.first < cfg.membership.deadline_s:
             return False
         # before going on without someone: the newest membership (a leave, a lapse)
         self.roster.refresh(force=True)
@@ -192,7 +192,7 @@ class Gate:
         ``self.owed[p]``."""
         late, dropped, absent = [], [], []
         keep: set[tuple[str, int]] = set()
-        bound = self.config.max_staleness
+        bound = self.config.membership.max_staleness
         by_round: dict[int, list[str]] = {}
         for w, k in self.owed[p]:
             if self.roster.takes_part(w, p, k):  # not one a member left before sending
@@ -200,7 +200,7 @@ class Gate:
         for k in sorted(by_round):
             names = set(self.exchange.committed_workers(p, k))
             for w in sorted(by_round[k]):
-                if w in names and r - k <= bound and self.config.late == "drop":
+                if w in names and r - k <= bound and self.config.membership.late == "drop":
                     dropped.append({"worker": w, "round": k, "reason": "late"})
                 elif w in names and r - k <= bound:
                     key = late_key(w, k)

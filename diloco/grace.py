@@ -50,18 +50,18 @@ class Grace:
         """The window now; with the open round's quorum time and the newest earlier
         mean, that round's own pace counts too (so even the first round has one)."""
         cfg = self.config
-        if cfg.grace_s is not None:
-            return cfg.grace_s
-        bound = cfg.grace_max_s
+        if cfg.membership.grace_s != "adaptive":
+            return float(cfg.membership.grace_s)
+        bound = cfg.membership.grace_max_s
         paces = list(self.paces)
         if quorum_at is not None and previous_mean_at is not None and quorum_at > previous_mean_at:
-            paces.append((quorum_at - previous_mean_at) * self.config.fragments)
+            paces.append((quorum_at - previous_mean_at) * self.config.schedule.fragments)
         if paces:
             bound = min(bound, GRACE_SHARE * float(np.median(paces)))
         if not self.spreads:
-            return max(cfg.grace_min_s, bound)
+            return max(cfg.membership.grace_min_s, bound)
         spread = SPREAD_MARGIN * float(np.percentile(self.spreads, 90))
-        return max(cfg.grace_min_s, min(spread, bound))
+        return max(cfg.membership.grace_min_s, min(spread, bound))
 
     def observe(self, *, quorum_at: float, last_arrival: float, complete: bool,
                 previous_mean_at: float) -> None:
@@ -70,4 +70,4 @@ class Grace:
         if complete:
             self.spreads.append(max(0.0, last_arrival - quorum_at))
         if quorum_at > previous_mean_at:
-            self.paces.append((quorum_at - previous_mean_at) * self.config.fragments)
+            self.paces.append((quorum_at - previous_mean_at) * self.config.schedule.fragments)

@@ -141,7 +141,7 @@ class InFlight:
         self.exchange = exchange
         self.worker = worker
         self.config = config
-        self.feedback = config.feedback(exchange.manifest.codec_up.name)
+        self.feedback = config.codec.feedback_up
         #: error-feedback residual per fragment (None until a round left one)
         self.residual: list[torch.Tensor | None] = [None] * fragments
         #: (fragment, round) of the mean a merge is blocked on, else None
@@ -151,7 +151,7 @@ class InFlight:
         self._abandon = stop
         self.stop_patience_s = stop_patience_s
         self.on_stall = on_stall
-        self.tau = tau or FixedOverlap(config.send_offset)
+        self.tau = tau or FixedOverlap(config.schedule.send_offset)
         #: overlap auto: read the tau proposals of each mean's contributions
         self.agree = self.tau.agrees
         self._agreed: dict[tuple[int, int], int | None] = {}
@@ -188,7 +188,7 @@ class InFlight:
         if previous is not None:
             previous.encoded.result()  # its residual is set when it finishes
         residual = self.residual[p]
-        x = rules.with_residual(delta, residual, self.config.beta, out=residual)
+        x = rules.with_residual(delta, residual, self.config.codec.error_decay, out=residual)
         prepared = self.exchange.prepare_delta(p, r, self.worker, x.numpy())
         self.residual[p] = rules.residual_of(x, torch.from_numpy(prepared.decoded),
                                              out=residual)
@@ -198,8 +198,8 @@ class InFlight:
         prepared: Prepared = encoded.result()
         return outlast(  # a retried publish is safe: fresh payload, create-only commit
             lambda: self.exchange.publish_prepared(prepared, tokens=tokens, extra=extra),
-            patience_s=self.config.outage_s, log=log, stop=self._closed.is_set,
-            pause_s=self.config.poll_max_s, what=f"worker {self.worker}: send of fragment {prepared.fragment} round "
+            patience_s=self.config.liveness.outage_s, log=log, stop=self._closed.is_set,
+            pause_s=self.config.liveness.poll_max_s, what=f"worker {self.worker}: send of fragment {prepared.fragment} round "
                  f"{prepared.round}",
         )
 
@@ -208,12 +208,12 @@ class InFlight:
         """Poll until the mean of (p, r) is committed; ``tau.arrived`` is told the time
         since ``sent_at`` (and the lag behind the last peer's send) before the future
         is done, so a merge that waited on it finds the measurement in place."""
-        delay = self.config.poll_interval_s
+        delay = self.config.liveness.poll_interval_s
         what = f"worker {self.worker}: wait for the mean of fragment {p} round {r}"
         while not self._closed.is_set():
             got = outlast(lambda: self._fetch_mean(p, r), what=what, log=log,
-                          patience_s=self.config.outage_s, stop=self._closed.is_set,
-                          pause_s=self.config.poll_max_s)
+                          patience_s=self.config.liveness.outage_s, stop=self._closed.is_set,
+                          pause_s=self.config.liveness.poll_max_s)
             if got is not None:
                 latency = None if sent_at is None else time.monotonic() - sent_at
                 lag = 0.0
@@ -229,7 +229,7 @@ class InFlight:
     def _poll_max(self) -> float:
         """The longest pause between two polls for a mean (``overlap: auto``: one inner
         step, `diloco.overlap.AutoOverlap.poll_max`)."""
-        return self.tau.poll_max(self.config.poll_interval_s, self.config.poll_max_s)
+        return self.tau.poll_max(self.config.liveness.poll_interval_s, self.config.liveness.poll_max_s)
 
     def _proposals(self, p: int, r: int, commit: dict) -> tuple[int | None, float]:
         """The largest ``tau_next`` of the contributions the mean counted on time
@@ -240,8 +240,8 @@ class InFlight:
         for w in sorted(k for k in commit.get("weights", {}) if "@" not in k):
             got = outlast(lambda w=w: self.exchange.delta_commit(p, r, w), log=log,
                           what=f"worker {self.worker}: read the tau proposal of {w}",
-                          patience_s=self.config.outage_s, stop=self._closed.is_set,
-                          pause_s=self.config.poll_max_s)
+                          patience_s=self.config.liveness.outage_s, stop=self._closed.is_set,
+                          pause_s=self.config.liveness.poll_max_s)
             if got.get("tau_next") is not None:
                 found.append(int(got["tau_next"]))
             if got.get("created"):
@@ -332,7 +332,7 @@ class InFlight:
                     break
                 except TimeoutError:
                     waited = time.perf_counter() - start
-                    if waited - told >= self.config.stall_after_s:
+                    if waited - told >= self.config.liveness.stall_after_s:
                         told = waited  # never wait silently: say so every stall_after_s
                         log.warning("worker %s: waiting %.0f s for the mean of fragment %d "
                                     "round %d (is the aggregator running? `diloco status` "

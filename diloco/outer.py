@@ -4,7 +4,7 @@ Workers and the aggregator both keep this state in float32 and step it with
 ``torch.optim.SGD(lr, momentum, nesterov=True)`` fed the decoded mean as ``.grad``
 (docs/algorithms.md section 1). Same input bytes and same kernels: every party that
 applies the same means computes the same bits, which the tests check. It lives on
-the CPU, or, for a worker with ``sync.outer_device: device``, on its training
+the CPU, or, for a worker with ``sync.outer.device: device``, on its training
 device (no host copy of the live fragment per send or merge; on a GPU the SGD
 kernels may round differently from the aggregator's CPU ones).
 """

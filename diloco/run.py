@@ -36,13 +36,13 @@ def _store(url_or_store: str | ObjectStore, storage_options: dict | None) -> Obj
 def plan_for(model: nn.Module, config: SyncConfig, **kwargs: Any) -> FragmentPlan:
     """The fragment plan the config asks for (pattern, P, separate rest, and whether
     tensors may be split so each fragment holds 1/P of the parameters)."""
-    kwargs.setdefault("split", config.split_tensors)
-    kwargs.setdefault("block_size", config.block_size)
+    kwargs.setdefault("split", config.schedule.split_tensors)
+    kwargs.setdefault("block_size", config.codec.block_size)
     return plan_fragments(
         model,
-        config.fragments,
-        pattern=config.pattern,
-        separate_rest=config.separate_rest,
+        config.schedule.fragments,
+        pattern=config.schedule.pattern,
+        separate_rest=config.schedule.separate_rest,
         **kwargs,
     )
 
@@ -65,12 +65,12 @@ def new_run(
     """
     store = _store(url_or_store, storage_options)
     plan = plan or plan_for(model, config)
-    schedule = Schedule(config.sync_every, config.fragments, config.send_offset)
+    schedule = Schedule.of(config.schedule)
     manifest = RunManifest(
         run_id=run_id or store.url.rstrip("/").rsplit("/", 1)[-1] or uuid.uuid4().hex[:8],
         workers=list(workers),
         total_steps=total_steps,
-        rounds=schedule.rounds_in_run(total_steps, config.merge_alpha),
+        rounds=schedule.rounds_in_run(total_steps, config.schedule.merge_alpha),
         codec_up=CodecEntry.of(config.up),
         codec_down=CodecEntry.of(config.down),
         fragments=plan.describe(),

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from diloco.config import ScheduleConfig
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,12 @@ class Schedule:
                 f"invalid schedule: need 1 <= P <= H, H % P == 0, 0 <= tau < H/P; "
                 f"got H = {h}, P = {p}, tau = {tau}"
             )
+
+    @classmethod
+    def of(cls, config: ScheduleConfig) -> Schedule:
+        """The schedule a run's ``sync.schedule`` section sets (tau: its send offset,
+        which is 0 for pure eager and overlap_start for overlap auto)."""
+        return cls(config.sync_every, config.fragments, config.send_offset)
 
     @property
     def stride(self) -> int:

@@ -95,7 +95,7 @@ class ShardAggregator(Aggregator):
         self.outer, self.residual, self.next_round = [], [], []
         for p, params in enumerate(init):
             sp = self.spans[p]
-            state, residual = OuterState(params[sp.lo:sp.hi], self.config.eta, self.config.mu), None
+            state, residual = OuterState(params[sp.lo:sp.hi], self.config.outer.lr, self.config.outer.momentum), None
             latest = latest_part(self.exchange, p, self.shard)
             if latest is None:
                 self.next_round.append(0)
@@ -155,7 +155,7 @@ class ShardAggregator(Aggregator):
         once: shards 1..K-1 commit their verdict, shard 0 keeps its own for its
         decision. True if there was a new one (progress: the poll does not back off)."""
         checked = False
-        first = max(0, r - self.config.max_staleness)
+        first = max(0, r - self.config.membership.max_staleness)
         for k in range(first, min(r + 2, self.manifest.rounds[p])):
             for w in self.exchange.committed_workers(p, k):
                 if (p, k, w) in self._seen:
@@ -189,9 +189,9 @@ class ShardAggregator(Aggregator):
                key: str | None = None) -> tuple[Coded, int, float] | None:
         """Shard 0's verdict: its own chunks and the other shards' checks together."""
         checks = self._checks(p, k, w)
-        deadline = time.monotonic() + self.config.poll_max_s
+        deadline = time.monotonic() + self.config.liveness.poll_max_s
         while checks is None and time.monotonic() < deadline:  # a late one raced the list
-            time.sleep(self.config.poll_interval_s)
+            time.sleep(self.config.liveness.poll_interval_s)
             checks = self._checks(p, k, w)
         if checks is None:
             raise ShardsBehind(f"fragment {p} round {k}: worker {w}'s chunks are not all checked")
@@ -315,7 +315,7 @@ class ShardAggregator(Aggregator):
         self.next_round[p] = r + 1
         self.gate.reduced(p, r, inbox)
         self._norms[(p, r)] = [float(v) for v in dec.get("norms", {}).values()]
-        for key in [k for k in self._parts if k[0] == p and k[1] < r - self.config.max_staleness]:
+        for key in [k for k in self._parts if k[0] == p and k[1] < r - self.config.membership.max_staleness]:
             del self._parts[key]
         if self.shard == 0:
             self._assembling[(p, r)] = {"fragment": p, "round": r, "weights": weights,

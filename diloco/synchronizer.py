@@ -8,7 +8,7 @@ in the blocking modes; the means that have arrived, in eager mode), computes the
 outer gradient with a rule of `diloco.rules`, steps the outer state and merges the
 live weights. All outer state is float32 on the CPU, as on the aggregator, so in
 the non-eager modes every worker holds the canonical outer state bit for bit; with
-``sync.outer_device: device`` it is on the model's device instead (on a GPU the
+``sync.outer.device: device`` it is on the model's device instead (on a GPU the
 deltas go to the host, and the means to the device, through pinned memory).
 """
 
@@ -90,9 +90,9 @@ def _check_member(manifest: RunManifest, worker: str, plan: FragmentPlan,
             f"{', '.join(manifest.workers)})"
         )
     plan.check_against(manifest.model_dump()["fragments"])
-    if len(plan) != config.fragments:
+    if len(plan) != config.schedule.fragments:
         raise ValueError(
-            f"the plan has {len(plan)} fragments but fragments (P) = {config.fragments}"
+            f"the plan has {len(plan)} fragments but fragments (P) = {config.schedule.fragments}"
         )
 
 
@@ -125,31 +125,31 @@ class Synchronizer:
         read) and raise `Behind` if it is."""
         manifest = exchange.manifest
         self.model, self.exchange, self.worker, self.plan = model, exchange, worker, plan
-        self.config = config or SyncConfig(**manifest.sync)
+        self.config = config or SyncConfig.stored(manifest.sync)
         _check_member(manifest, worker, plan, self.config, joined)
         self.heal = heal
         self.schedule = Schedule(
-            self.config.sync_every, self.config.fragments, self.config.send_offset
+            self.config.schedule.sync_every, self.config.schedule.fragments, self.config.schedule.send_offset
         )
         self.total_steps = manifest.total_steps
         self.rounds = list(manifest.rounds)
         self.own_weight = 1.0 / len(manifest.workers)
-        self.alpha = self.config.merge_alpha
-        self.eager = self.config.mode == "eager"
+        self.alpha = self.config.schedule.merge_alpha
+        self.eager = self.config.schedule.mode == "eager"
         self.stats = SyncStats()
         #: tau: fixed, or per merge point from measured latencies (overlap: auto)
         self.tau: FixedOverlap | AutoOverlap = FixedOverlap(self.schedule.overlap)
-        if self.config.auto_overlap:
+        if self.config.schedule.auto:
             self.tau = AutoOverlap(self.schedule.stride, self.total_steps,
-                                   start=self.config.send_offset,
-                                   margin=self.config.overlap_margin)
+                                   start=self.config.schedule.send_offset,
+                                   margin=self.config.schedule.overlap_margin)
         init = load_initial(exchange, len(plan))
-        #: where the outer state lives (sync.outer_device): the CPU or the model's device
+        #: where the outer state lives (sync.outer.device): the CPU or the model's device
         self.device = torch.device("cpu")
-        if self.config.outer_device == "device":
+        if self.config.outer.device == "device":
             self.device = next(model.parameters()).device
         self.on_device = self.device.type != "cpu"
-        self.outer = [OuterState(v, self.config.eta, self.config.mu, self.device) for v in init]
+        self.outer = [OuterState(v, self.config.outer.lr, self.config.outer.momentum, self.device) for v in init]
         if initialise:
             for p, state in enumerate(self.outer):
                 plan.scatter(model, p, state.params)
@@ -212,7 +212,7 @@ class Synchronizer:
     def _too_stale(self, p: int, r: int) -> bool:
         """Whether round ``r`` of ``p`` would be dropped: the mean ``max_staleness``
         rounds later is committed already."""
-        later = r + self.config.max_staleness
+        later = r + self.config.membership.max_staleness
         try:
             if later >= self.rounds[p] or self.exchange.mean_commit(p, later) is None:
                 return False
@@ -304,7 +304,7 @@ class Synchronizer:
             # aggregator): the outer state stays, the live weights still merge into it
             grad = torch.from_numpy(np.asarray(mean)) if commit.get("weights") else None
             sent.own_applied = sent.correction_applied = True
-        elif self.config.eager_rule == "pure" and not final:
+        elif self.config.schedule.eager_rule == "pure" and not final:
             grad = self._pure_eager(sent)
         else:
             grad = self._adaptive_eager(sent, wait=final)

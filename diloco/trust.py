@@ -86,26 +86,26 @@ class Trust:
         ``norm_guard`` times the median of the accepted norms of the last
         ``norm_guard_window`` rounds. ``norm_guard`` 0 turns every rule off."""
         cfg = self.config
-        if not cfg.norm_guard:
+        if not cfg.guard.ratio:
             return
         what = f"delta of worker {worker} for fragment {p} round {r}: norm {norm:.4g}"
-        theta = self.theta_norm(p) if cfg.norm_guard_params else 0.0
-        if cfg.norm_guard_params and not norm <= cfg.norm_guard_params * theta:
+        theta = self.theta_norm(p) if cfg.guard.params_ratio else 0.0
+        if cfg.guard.params_ratio and not norm <= cfg.guard.params_ratio * theta:
             raise OutsizedContribution(
-                f"{what} is above the norm guard {cfg.norm_guard_params * theta:.4g} "
-                f"({cfg.norm_guard_params:g} x the norm of the fragment's parameters, "
+                f"{what} is above the norm guard {cfg.guard.params_ratio * theta:.4g} "
+                f"({cfg.guard.params_ratio:g} x the norm of the fragment's parameters, "
                 f"{theta:.4g})")
-        if r < cfg.norm_guard_warmup:
+        if r < cfg.guard.warmup:
             return
-        history = [n for k in range(max(0, r - cfg.norm_guard_window), r)
+        history = [n for k in range(max(0, r - cfg.guard.window), r)
                    for n in self.norms_of(p, k)]
         if not history:
             return
-        limit = cfg.norm_guard * float(np.median(history))
+        limit = cfg.guard.ratio * float(np.median(history))
         if not norm <= limit:
             raise OutsizedContribution(
-                f"{what} is above the norm guard {limit:.4g} ({cfg.norm_guard:g} x the "
-                f"median of the accepted norms of the last {cfg.norm_guard_window} rounds)"
+                f"{what} is above the norm guard {limit:.4g} ({cfg.guard.ratio:g} x the "
+                f"median of the accepted norms of the last {cfg.guard.window} rounds)"
             )
 
     def peers(self, p: int, r: int, inbox: Inbox) -> None:
@@ -113,9 +113,9 @@ class Trust:
         whose norm is above ``norm_guard`` times their median: from round 0 a single
         outsized one among honest peers is caught, before any history exists."""
         cfg = self.config
-        if not cfg.norm_guard or len(inbox.values) < PEER_GUARD_MIN:
+        if not cfg.guard.ratio or len(inbox.values) < PEER_GUARD_MIN:
             return
-        limit = cfg.norm_guard * float(np.median(list(inbox.norms.values())))
+        limit = cfg.guard.ratio * float(np.median(list(inbox.norms.values())))
         for key in sorted(inbox.values):
             norm = inbox.norms[key]
             if norm <= limit:
@@ -123,7 +123,7 @@ class Trust:
             w, k = contribution_of(key, r)
             reason = (f"OutsizedContribution: delta of worker {w} for fragment {p} round {k}: "
                       f"norm {norm:.4g} is above the norm guard {limit:.4g} "
-                      f"({cfg.norm_guard:g} x the median of the {len(inbox.values)} "
+                      f"({cfg.guard.ratio:g} x the median of the {len(inbox.values)} "
                       f"contributions of this mean)")
             del inbox.values[key], inbox.tokens[key], inbox.norms[key]
             inbox.rejected[key] = reason

@@ -79,11 +79,16 @@ def main() -> None:
     url = args.store or str(Path("runs") / f"example-{datetime.now():%Y%m%d-%H%M%S}")
     torch.set_num_threads(1)
 
-    cfg = SyncConfig(mode="streaming", sync_every=20, fragments=2, overlap=2, alpha=0.5,
-                     codec_up="int4", codec_down="int8", outer_lr=0.7, outer_momentum=0.9)
+    cfg = SyncConfig(
+        schedule={"mode": "streaming", "sync_every": 20, "fragments": 2, "overlap": 2,
+                  "alpha": 0.5},
+        codec={"up": "int4", "down": "int8"},
+        outer={"lr": 0.7, "momentum": 0.9},
+    )
     new_run(url, Net(), cfg, workers=list(WORKERS), total_steps=args.steps)
-    print(f"run created at {url}: {cfg.mode}, H={cfg.sync_every}, P={cfg.fragments}, "
-          f"tau={cfg.overlap}, up={cfg.codec_up}, down={cfg.codec_down}")
+    s = cfg.schedule
+    print(f"run created at {url}: {s.mode}, H={s.sync_every}, P={s.fragments}, "
+          f"tau={s.overlap}, up={cfg.codec.up}, down={cfg.codec.down}")
 
     aggregator = Aggregator(open_run(url))
     stop = threading.Event()

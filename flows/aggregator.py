@@ -119,7 +119,7 @@ class AggregatorJob:
             self.evaluator = (CanonicalEval(exchange, run_url, storage_options) if evaluate
                               else None)
 
-            cfg = RunConfig.model_validate(self.manifest.config)
+            cfg = RunConfig.stored(self.manifest.config)
             kwargs = {"keep_checkpoints": cfg.train.keep_checkpoints,
                       "slots": cfg.data.slot_count(len(self.manifest.workers))}
             if self.sharded:  # shard 0 of K: it decides; `run_shard_job` runs the rest
@@ -336,7 +336,7 @@ def run_shard_job(run_url: str, storage_options: dict | None = None, *, shard: i
         set_state(status_store, board.name, "failed", error=f"{type(exc).__name__}: {exc}")
         raise
     board.register(shard=shard, resumed_at=sum(agg.next_round))
-    heartbeat = max(SHARD_HEARTBEAT_S, agg.config.poll_max_s)
+    heartbeat = max(SHARD_HEARTBEAT_S, agg.config.liveness.poll_max_s)
     stalled: list[dict[str, Any]] = []
 
     def progress(state: str = "running", force: bool = False, **extra: Any) -> None:

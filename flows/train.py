@@ -127,7 +127,7 @@ def run_train(
     store = ObjectStore(run_url, storage_options=storage_options, name="train")
     if resume:
         exchange = stage("open-run", _reopen)(run_url, storage_options, store)
-        config = RunConfig.model_validate(exchange.manifest.config)
+        config = RunConfig.stored(exchange.manifest.config)
     else:
         exchange = stage("create-run", create_run)(config, run_url,
                                                    storage_options=storage_options,

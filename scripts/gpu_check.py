@@ -16,7 +16,7 @@ CUDA device; 2 on a bad argument or recipe field.
 
 Without --dataset the check trains on the built-in Shakespeare bytes (the model's
 vocabulary may be larger than the data's). When --steps is shorter than two rounds of
-the recipe, sync.sync_every is shortened (a multiple of sync.fragments, overlap kept
+the recipe, sync.schedule.sync_every is shortened (a multiple of sync.schedule.fragments, overlap kept
 below a fragment's stride) so that the exchange is exercised; --set key=value
 overrides anything (as `diloco run` does).
 """
@@ -59,12 +59,12 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
 
 def short_rounds(cfg, steps: int) -> list[str]:
     """Overrides that make ``steps`` hold at least two rounds of every fragment."""
-    s = cfg.sync
+    s = cfg.sync.schedule
     if steps >= 2 * s.sync_every:
         return []
     stride = max(1, steps // (2 * s.fragments))
-    return [f"sync.sync_every={stride * s.fragments}",
-            f"sync.overlap={min(s.overlap, stride - 1)}"]
+    return [f"sync.schedule.sync_every={stride * s.fragments}",
+            f"sync.schedule.overlap={min(s.overlap, stride - 1)}"]
 
 
 def configure(args: argparse.Namespace, root: Path):
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     waits = [r.wait_seconds for r in results]
     report = {
         "recipe": args.recipe, "device": args.device, "steps": args.steps,
-        "workers": len(results), "sync_every": cfg.sync.sync_every,
+        "workers": len(results), "sync_every": cfg.sync.schedule.sync_every,
         "steps_per_s": round(args.steps / seconds, 3),
         "rounds_merged": merged,
         "wait_per_round_s": [round(w / max(1, m), 4) for w, m in zip(waits, merged, strict=True)],

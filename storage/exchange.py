@@ -7,7 +7,7 @@ contribution, and publishes the mean the same way: whoever creates ``mean.json``
 first wins, and a loser adopts the winner's mean, so there is exactly one mean per
 (fragment, round) even when two aggregators race. Nothing is ever overwritten.
 
-The way down has two forms (``sync.mean_from``). ``aggregator``: the mean is a
+The way down has two forms (``sync.codec.mean_from``). ``aggregator``: the mean is a
 payload of its own, encoded with ``codec_down``. ``peers``: the mean's commit holds
 no payload, only the decision (which contributions, with which weights); every
 reader fetches those contributions itself and sums them with `weighted_sum`, the
@@ -288,10 +288,11 @@ class Exchange:
     @property
     def from_peers(self) -> bool:
         """Whether means are summed by their readers from the contributions they name
-        (``sync.mean_from: peers``) rather than published as payloads."""
-        chosen = self.manifest.sync.get("mean_from")
-        if chosen is None:  # SyncConfig.way_down's default, which storage cannot import
-            return self.up.is_sparse
+        (``sync.codec.mean_from: peers``) rather than published as payloads."""
+        sync = self.manifest.sync
+        chosen = (sync.get("codec") or {}).get("mean_from", sync.get("mean_from"))
+        if chosen is None:  # an old run's flat config left the default unresolved:
+            return self.up.is_sparse  # peers for a sparse codec (SyncConfig's rule)
         return chosen == "peers"
 
     def fetch_mean(

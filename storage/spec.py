@@ -154,7 +154,8 @@ def _upgrade(data: Any) -> Any:
     Those manifests have no ``split_tensors`` in ``sync`` (nor in the user config's
     ``sync``), and the default is now to split, so a worker resuming such a run would
     plan other fragments than the run has; they get ``split_tensors: false``. The
-    keys are set only where absent: a new manifest always carries them.
+    keys are set only where absent: a new manifest always carries them (as
+    ``sync.schedule.split_tensors``).
     """
     if not isinstance(data, dict):
         return data
@@ -163,7 +164,8 @@ def _upgrade(data: Any) -> Any:
         data["config"] = dict(data["config"])
     for holder in (data, data.get("config")):
         sync = holder.get("sync") if isinstance(holder, dict) else None
-        if isinstance(sync, dict) and "split_tensors" not in sync:
+        # a flat sync (no sections: before sync.schedule) without the key is that old
+        if isinstance(sync, dict) and "split_tensors" not in sync and "schedule" not in sync:
             holder["sync"] = {**sync, "split_tensors": False}
     return data
 

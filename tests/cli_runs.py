@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SHORT = [
     "--set", "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
     "--set", "data.seq_len=32", "--set", "data.batch_size=8", "--set", "train.steps=24",
-    "--set", "train.eval_every=0", "--set", "train.eval_batches=2", "--set", "sync.sync_every=8",
-    "--set", "sync.fragments=2", "--set", "sync.overlap=1", "--set", "optim.warmup_steps=4",
+    "--set", "train.eval_every=0", "--set", "train.eval_batches=2", "--set", "sync.schedule.sync_every=8",
+    "--set", "sync.schedule.fragments=2", "--set", "sync.schedule.overlap=1", "--set", "optim.warmup_steps=4",
     "--set", "optim.lr=0.01", "--set", "train.checkpoint_every=8",
     "--set", 'data.sources=["builtin:shakespeare/tragedies/*"]',
 ]

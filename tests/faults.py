@@ -414,7 +414,7 @@ def canonical_eval(run_url: str, storage_options: dict | None = None) -> float:
     from workers.model import build_model
 
     ex = open_run(run_url, storage_options)
-    cfg = RunConfig.model_validate(ex.manifest.config)
+    cfg = RunConfig.stored(ex.manifest.config)
     model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)
     load_canonical(ex, plan_for(model, cfg.sync), model)
     for name, param in model.named_parameters():

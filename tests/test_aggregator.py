@@ -39,8 +39,10 @@ def state_hash(agg: Aggregator) -> str:
 
 # int4 both ways: error feedback on the workers and on the aggregator's mean, so a
 # restarted aggregator must restore its residuals exactly too.
-CFG = SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1, alpha=0.5,
-                 codec_up="int4", codec_down="int4", block_size=32)
+CFG = SyncConfig(
+    schedule={"mode": "streaming", "sync_every": 4, "fragments": 2, "overlap": 1, "alpha": 0.5},
+    codec={"up": "int4", "down": "int4", "block_size": 32},
+)
 STEPS = 14
 
 
@@ -191,8 +193,10 @@ class BadWorker(Exchange):
 
 
 def test_bad_contributions_are_rejected_counted_and_never_applied():
-    cfg = SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1, alpha=0.5,
-                     codec_up="none", codec_down="none")
+    cfg = SyncConfig(
+        schedule={"mode": "streaming", "sync_every": 4, "fragments": 2, "overlap": 1, "alpha": 0.5},
+        codec={"up": "none", "down": "none"},
+    )
     res = train_replicas(
         url(), Blocks, data, cfg, workers=("w0", "w1", "w2"), total_steps=STEPS,
         inner_lr=0.05,
@@ -227,7 +231,10 @@ def test_bad_contributions_are_rejected_counted_and_never_applied():
 def test_quorum_after_deadline_goes_on_without_a_silent_worker():
     """Worker w2 never sends: with quorum 2/3 and a short deadline, each round is
     reduced from w0 and w1 once the deadline has passed."""
-    cfg = SyncConfig(mode="diloco", sync_every=2, fragments=1, quorum=0.6, deadline_s=0.2)
+    cfg = SyncConfig(
+        schedule={"mode": "diloco", "sync_every": 2, "fragments": 1},
+        membership={"quorum": 0.6, "deadline_s": 0.2},
+    )
     from diloco.run import new_run  # noqa: PLC0415
 
     u = url()
@@ -247,7 +254,10 @@ def test_quorum_after_deadline_goes_on_without_a_silent_worker():
 
 @pytest.mark.parametrize("mode", ["diloco", "streaming"])
 def test_aggregator_waits_for_every_worker_before_the_deadline(mode):
-    cfg = SyncConfig(mode=mode, sync_every=2, fragments=1, deadline_s=30.0)
+    cfg = SyncConfig(
+        schedule={"mode": mode, "sync_every": 2, "fragments": 1},
+        membership={"deadline_s": 30.0},
+    )
     from diloco.run import new_run  # noqa: PLC0415
 
     u = url()

@@ -29,8 +29,11 @@ from storage.exchange import Prepared
 from storage.objectstore import ObjectStore
 from storage.shards import fetch_delta_part, span
 
-CFG = SyncConfig(mode="diloco", sync_every=2, fragments=2, codec_up="int4", codec_down="int4",
-                 block_size=32, norm_guard=5.0, norm_guard_warmup=1)
+CFG = SyncConfig(
+    schedule={"mode": "diloco", "sync_every": 2, "fragments": 2},
+    codec={"up": "int4", "down": "int4", "block_size": 32},
+    guard={"ratio": 5.0, "warmup": 1},
+)
 ROUNDS = 4
 WORKERS = ("w0", "w1", "w2")
 
@@ -219,8 +222,10 @@ def test_a_killed_shard_resumes_to_the_same_bits(stage):
 def test_the_peers_way_down_with_shards_carries_the_decision_only():
     """mean_from: peers with top-k up: the parts commit no payload, the mean a reader
     sums from the contributions is the K = 1 mean, and the state is the same."""
-    cfg = SyncConfig(mode="diloco", sync_every=2, fragments=2, codec_up="topk2",
-                     codec_down="none", sparse_chunk=512, sparse_k=16, mean_from="peers")
+    cfg = SyncConfig(
+        schedule={"mode": "diloco", "sync_every": 2, "fragments": 2},
+        codec={"up": "topk2", "down": "none", "chunk": 512, "k": 16, "mean_from": "peers"},
+    )
     u1, u4 = make_run(1, cfg=cfg), make_run(4, cfg=cfg)
     aggregate(u1, 1)
     aggregate(u4, 4)

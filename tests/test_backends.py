@@ -19,8 +19,10 @@ from storage.objectstore import ObjectStore
 @pytest.mark.parametrize("mode", ["streaming", "eager"])
 def test_run_on_backend(store_url, mode):
     url, opts = store_url["url"], store_url["storage_options"]
-    cfg = SyncConfig(mode=mode, sync_every=4, fragments=2, overlap=1, alpha=0.5,
-                     codec_up="int4", codec_down="int8", block_size=32)
+    cfg = SyncConfig(
+        schedule={"mode": mode, "sync_every": 4, "fragments": 2, "overlap": 1, "alpha": 0.5},
+        codec={"up": "int4", "down": "int8", "block_size": 32},
+    )
     res = train_replicas(url, Blocks, data, cfg, total_steps=10, inner_lr=0.05,
                          storage_options=opts, timeout=120)
     agg = res.aggregator

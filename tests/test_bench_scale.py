@@ -86,7 +86,7 @@ def test_recipe_sizes_run_for_real(tmp_path):
         assert row["fragments"] == p and row["sync_every"] == 2 * p
         assert row["steps"] == 2 * p + 2 and row["completed"]
         assert row["aggregator_rounds"] == 2 * p + 1  # fragment 0 twice, the rest once, p finals
-        assert "sync.overlap=auto" in row["overrides"]
+        assert "sync.schedule.overlap=auto" in row["overrides"]
         assert set(row["stages_s"]) == {*bench_scale.STAGES, "send", "merge"}
         assert all(v >= 0 for v in row["stages_s"].values()) and row["latency_s"] > 0
         assert [w["worker"] for w in row["per_worker"]] == ["w0", "w1"]

@@ -128,14 +128,14 @@ def test_contender_overrides_are_valid_configs():
     for mode in ("data-parallel", *MODES):
         for codec in CODECS:
             c = Contender(mode, codec, workers=4, outer_lr=0.5, outer_momentum=0.0)
-            if "sync.overlap=12" in MODES.get(mode, []) and "sync.sync_every=8" in CODECS[codec]:
+            if "sync.schedule.overlap=12" in MODES.get(mode, []) and "sync.schedule.sync_every=8" in CODECS[codec]:
                 with pytest.raises(ConfigError, match="tau < H/P = 4, got 12"):
                     load(c, reference_overrides(steps=100))  # said before anything runs
                 continue
             cfg = load(c, reference_overrides(steps=100))
             assert len(cfg.workers) == 4
             if mode != "data-parallel":
-                assert cfg.sync.eta == 0.5 and cfg.sync.mu == 0.0
+                assert cfg.sync.outer.lr == 0.5 and cfg.sync.outer.momentum == 0.0
     with pytest.raises(ValueError, match="mode"):
         Contender("nope")
 
@@ -344,7 +344,7 @@ def test_elastic_arithmetic_targets_and_table(tmp_path):
 
     args = bench_elastic.parser().parse_args(["--steps", "36", "--sync-every", "6"])
     cfg = load_config("tiny", bench_elastic.overrides(args, "file:///tmp/data"))
-    assert cfg.workers == ["w0", "w1", "w2", "w3"] and cfg.sync.lease_s == 5.0
+    assert cfg.workers == ["w0", "w1", "w2", "w3"] and cfg.sync.liveness.lease_s == 5.0
     assert cfg.train.keep_checkpoints == 0 and cfg.train.threads == 1
     curve = [(100.0, 4.0), (200.0, 3.0), (400.0, 2.0)]
     assert bench_elastic.interpolate(curve, 300.0) == (2.5, True)

@@ -188,7 +188,7 @@ def test_a_real_run_across_two_clouds_bills_each_worker(in_process, tmp_path, mo
     cfg = load_config("tiny", [
         "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
         "data.seq_len=32", "data.batch_size=8", "train.steps=16", "train.eval_every=0",
-        "train.eval_batches=2", "train.threads=1", "sync.sync_every=8", "sync.fragments=2",
+        "train.eval_batches=2", "train.threads=1", "sync.schedule.sync_every=8", "sync.schedule.fragments=2",
         "train.checkpoint_every=8", f"data.dataset={data}", f"store={tmp_path / 'runs'}",
         "billing.store=aws:us-east-1",
         "billing.regions={region-a: aws:us-east-1, region-b: gcp:europe-west4}"])

@@ -114,7 +114,7 @@ def _closed_port() -> int:
 @pytest.mark.parametrize("args, expected", [
     (["--set", "train.stepz=5"], "train: unknown field(s) stepz; allowed: steps"),
     (["--set", "train.steps=-1"], "train.steps: Input should be greater than or equal to 1"),
-    (["--set", "sync.fragments=7"], "sync"),
+    (["--set", "sync.schedule.fragments=7"], "sync"),
     (["no-such-recipe"], "config 'no-such-recipe' is neither a file nor a recipe; "
                          "recipes: gpu-150m, gpu-1b, small, tiny"),
     (["--set", "store=s3://diloco-nowhere/runs"], "cannot reach the store "

@@ -32,7 +32,7 @@ MICRO = [
     "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
     "data.seq_len=32", "data.batch_size=8", "optim.warmup_steps=2", "train.steps=16",
     "train.eval_every=0", "train.eval_batches=2", "train.log_every=4", "train.threads=1",
-    "train.checkpoint_every=8", "sync.sync_every=8", "sync.fragments=2", "sync.overlap=1",
+    "train.checkpoint_every=8", "sync.schedule.sync_every=8", "sync.schedule.fragments=2", "sync.schedule.overlap=1",
 ]
 
 

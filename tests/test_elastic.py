@@ -24,9 +24,9 @@ MICRO = [
     "model.overrides={d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}",
     "data.seq_len=16", "data.batch_size=4", "optim.warmup_steps=2", "optim.lr=0.01",
     "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",
-    "train.checkpoint_every=4", "sync.sync_every=4", "sync.fragments=2", "sync.overlap=1",
-    "sync.poll_max_s=0.05", "sync.grace_min_s=0.05", "sync.grace_max_s=2",
-    "sync.lease_s=3",
+    "train.checkpoint_every=4", "sync.schedule.sync_every=4", "sync.schedule.fragments=2", "sync.schedule.overlap=1",
+    "sync.liveness.poll_max_s=0.05", "sync.membership.grace_min_s=0.05", "sync.membership.grace_max_s=2",
+    "sync.liveness.lease_s=3",
 ]
 
 _DATASET = f"memory://datasets/elastic-{uuid.uuid4().hex[:8]}"
@@ -120,7 +120,7 @@ def test_a_worker_joins_midway_and_its_rounds_are_applied(dataset):
 
 
 def test_a_leaver_finishes_its_round_and_no_one_waits_for_it(dataset):
-    run = Run(dataset, "train.steps=48", "sync.quorum=1.0", "sync.grace_s=30")
+    run = Run(dataset, "train.steps=48", "sync.membership.quorum=1.0", "sync.membership.grace_s=30")
     for w in run.cfg.workers:
         run.start(w)
     run.until("region-b", 10)
@@ -161,7 +161,7 @@ def test_joining_a_finished_run_is_refused_and_nothing_is_written(dataset):
 def test_heterogeneous_batches_are_weighted_by_tokens(dataset):
     """region-b trains with half the batch (a smaller GPU): in every round both
     arrive in, its weight is a third, region-a's two thirds."""
-    run = Run(dataset, "train.steps=16", "sync.quorum=1.0",
+    run = Run(dataset, "train.steps=16", "sync.membership.quorum=1.0",
               "data.worker_batch_size={region-b: 2}")
     for w in run.cfg.workers:
         run.start(w)
@@ -183,7 +183,10 @@ def test_the_grace_window_follows_the_spread_and_is_capped_by_the_pace():
     from diloco.config import SyncConfig  # noqa: PLC0415
     from diloco.grace import Grace  # noqa: PLC0415
 
-    cfg = SyncConfig(sync_every=4, fragments=2, overlap=1, grace_min_s=0.1, grace_max_s=30)
+    cfg = SyncConfig(
+        schedule={"sync_every": 4, "fragments": 2, "overlap": 1},
+        membership={"grace_min_s": 0.1, "grace_max_s": 30},
+    )
     g = Grace(cfg)
     assert g.seconds() == 30  # nothing known yet
     assert g.seconds(quorum_at=105.0, previous_mean_at=100.0) == pytest.approx(0.5)  # 5% of 10 s
@@ -199,7 +202,7 @@ def test_the_grace_window_follows_the_spread_and_is_capped_by_the_pace():
     fast = Grace(cfg)
     fast.observe(quorum_at=1.0, last_arrival=1.01, complete=True, previous_mean_at=0.0)
     assert fast.seconds() == pytest.approx(0.1)  # 3 x 0.01 is below grace_min_s
-    assert Grace(cfg.model_copy(update={"grace_s": 7.0})).seconds() == 7.0
+    assert Grace(cfg.changed(membership={"grace_s": 7.0})).seconds() == 7.0
 
 
 def test_a_fault_free_run_with_jitter_equals_the_strict_run(dataset):
@@ -210,11 +213,11 @@ def test_a_fault_free_run_with_jitter_equals_the_strict_run(dataset):
     the harness's 3 s would make 3 s without a step a lapse of progress.)"""
     import torch  # noqa: PLC0415
 
-    strict = Run(dataset, "train.steps=16", "sync.lease_s=30", "sync.quorum=1.0")
+    strict = Run(dataset, "train.steps=16", "sync.liveness.lease_s=30", "sync.membership.quorum=1.0")
     for w in strict.cfg.workers:
         strict.start(w)
     strict.wait()
-    run = Run(dataset, "train.steps=16", "sync.lease_s=30")
+    run = Run(dataset, "train.steps=16", "sync.liveness.lease_s=30")
     run.start("region-a")
 
     def held_up(m):  # region-b's metrics callback runs in its loop: its step stalls

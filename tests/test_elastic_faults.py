@@ -49,9 +49,9 @@ MICRO = [
     "model.overrides={d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}",
     "data.seq_len=16", "data.batch_size=4", "optim.warmup_steps=2", "optim.lr=0.01",
     "train.eval_every=0", "train.eval_batches=1", "train.log_every=1", "train.threads=1",
-    "train.steps=64", "train.checkpoint_every=4", "sync.sync_every=4", "sync.fragments=2",
-    "sync.overlap=1", "sync.poll_max_s=0.05", "sync.grace_min_s=0.05",
-    "sync.grace_max_s=2", "sync.lease_s=3",
+    "train.steps=64", "train.checkpoint_every=4", "sync.schedule.sync_every=4", "sync.schedule.fragments=2",
+    "sync.schedule.overlap=1", "sync.liveness.poll_max_s=0.05", "sync.membership.grace_min_s=0.05",
+    "sync.membership.grace_max_s=2", "sync.liveness.lease_s=3",
 ]
 
 
@@ -296,7 +296,7 @@ def test_a_lease_lapses_while_its_holder_is_stopped(where, data_url, tmp_path):
     nothing is applied twice. On S3 the
     lease is read from status objects and the late send is a conditional PUT: moto
     only (``where``), seaweedfs would double the time and test the same requests."""
-    new_run(where, data_url, "sync.max_staleness=2", "sync.lease_s=2")  # 64 steps: the
+    new_run(where, data_url, "sync.membership.max_staleness=2", "sync.liveness.lease_s=2")  # 64 steps: the
     # run goes on after region-b wakes (one that wakes after the end exits 2, RunFinished)
     store = where.store()
     with Jobs(tmp_path / "logs", TRIAL_TIMEOUT) as jobs:

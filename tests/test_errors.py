@@ -18,8 +18,8 @@ from workers.status import StatusBoard
 
 MICRO = [
     "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
-    "data.seq_len=32", "data.batch_size=8", "train.steps=16", "sync.sync_every=8",
-    "sync.fragments=2",
+    "data.seq_len=32", "data.batch_size=8", "train.steps=16", "sync.schedule.sync_every=8",
+    "sync.schedule.fragments=2",
 ]
 
 
@@ -146,9 +146,9 @@ def test_compare_names_an_unreachable_tracking_server(in_process, tmp_path, monk
     (["train.steps=abc"], "--set train.steps=abc", "train.steps: Input should be a valid "
                                                    "integer"),
     (["train.stepz=5"], "--set train.stepz=5", "train: unknown field(s) stepz"),
-    (["train.steps=5", "sync.fragments=7"], "--set sync.fragments=7",
+    (["train.steps=5", "sync.schedule.fragments=7"], "--set sync.schedule.fragments=7",
      "sync: sync_every (H) must be divisible by fragments (P)"),
-    (["sync.fragments=7", "sync.sync_every=28", "train.steps=abc"],
+    (["sync.schedule.fragments=7", "sync.schedule.sync_every=28", "train.steps=abc"],
      "--set train.steps=abc", "train.steps:"),  # fragments=7 was made valid again
 ], ids=["bad-value", "unknown-field", "bad-combination", "a-later-one"])
 def test_a_bad_set_is_named_not_the_recipe(in_process, tmp_path, sets, blamed, why):

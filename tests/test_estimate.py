@@ -28,15 +28,17 @@ def _close(measured: int, estimated: int, what: str) -> None:
 def test_estimate_agrees_with_a_measured_tiny_run(tmp_path, up, down, fragments, mean_from):
     # chunks of 64 values, so the tiny model's fragments are several sparse chunks;
     # no norm guard: a tiny model's norms jump, and rejection notes are not modelled
-    cfg = SyncConfig(mode="streaming", sync_every=4, fragments=fragments, codec_up=up,
-                     codec_down=down, mean_from=mean_from, norm_guard=0, sparse_chunk=64,
-                     sparse_k=8)
+    cfg = SyncConfig(
+        schedule={"mode": "streaming", "sync_every": 4, "fragments": fragments},
+        codec={"up": up, "down": down, "mean_from": mean_from, "chunk": 64, "k": 8},
+        guard={"ratio": 0},
+    )
     steps = 16
     res = train_replicas(f"file://{tmp_path}/run", Blocks, data, cfg, total_steps=steps)
     sizes = tuple(f.numel for f in plan_for(Blocks(), cfg).fragments)
     # the harness writes no status objects (a real worker does, once a second at most)
     s = ar.Setup(params=sum(sizes), workers=2, steps=steps, sync_every=4, fragments=fragments,
-                 up=cfg.up, down=cfg.down, merge_alpha=cfg.merge_alpha, momentum=cfg.mu > 0,
+                 up=cfg.up, down=cfg.down, merge_alpha=cfg.schedule.merge_alpha, momentum=cfg.outer.momentum > 0,
                  residual=res.aggregator.feedback, status_every_s=None, sizes=sizes,
                  mean_from=mean_from)
     est = ar.per_run(s)
@@ -74,15 +76,21 @@ def test_overlap_auto_may_hide_a_round_behind_every_step_but_one_of_its_stride()
     """Under ``overlap: auto`` a round may take up to H/P - 1 steps unseen, so the link
     it needs is what one fragment's round moves in those steps; rounds count as with
     the reference tau, ``overlap_start`` (by default H/P - 1)."""
-    auto = ar.Setup.of(SyncConfig(sync_every=100, fragments=4, overlap="auto",
-                                  codec_up="int4", codec_down="int8"), 10**9, 8, 10_000)
-    fixed = ar.Setup.of(SyncConfig(sync_every=100, fragments=4, overlap=24,
-                                   codec_up="int4", codec_down="int8"), 10**9, 8, 10_000)
+    auto = ar.Setup.of(SyncConfig(
+        schedule={"sync_every": 100, "fragments": 4, "overlap": "auto"},
+        codec={"up": "int4", "down": "int8"},
+    ), 10**9, 8, 10_000)
+    fixed = ar.Setup.of(SyncConfig(
+        schedule={"sync_every": 100, "fragments": 4, "overlap": 24},
+        codec={"up": "int4", "down": "int8"},
+    ), 10**9, 8, 10_000)
     assert auto.overlap == 24 and auto.hide_steps == 24
     assert ar.link_rates(auto)["streaming"] == pytest.approx(ar.link_rates(fixed)["streaming"])
     assert ar.per_round(auto) == ar.per_round(fixed)
-    started = ar.Setup.of(SyncConfig(sync_every=100, fragments=4, overlap="auto",
-                                     overlap_start=1, codec_up="int4", codec_down="int8"),
+    started = ar.Setup.of(SyncConfig(
+        schedule={"sync_every": 100, "fragments": 4, "overlap": "auto", "overlap_start": 1},
+        codec={"up": "int4", "down": "int8"},
+    ),
                           10**9, 8, 10_000)
     assert started.overlap == 1 and ar.per_round(started) == ar.per_round(
         replace(fixed, overlap=1))
@@ -130,7 +138,7 @@ def test_contenders_send_less_in_the_order_the_codecs_promise(in_process):
 @pytest.mark.parametrize("args, expected", [
     (["--params", "1e9", "--fragments", "3", "--sync-every", "100"],
      "sync_every (H) must be divisible by fragments (P): H = 100, P = 3"),
-    (["--params", "1e9", "--codec-up", "int3"], "codec_up must be one of"),
+    (["--params", "1e9", "--codec-up", "int3"], "codec.up: must be one of"),
     (["--params", "1e9", "--mean-from", "peer"], "mean_from: Input should be 'aggregator'"),
     (["--params", "1e9", "--sparse-k", "5000"], "k: must be in [1, chunk = 4096]"),
     (["--params", "1e9", "--crossing", "moon"], "crossing: must be one of"),
@@ -149,9 +157,9 @@ def test_bad_input_is_one_line_and_exit_2(in_process, args, expected):
 @pytest.mark.parametrize("fragments", [2, 4])
 def test_split_sizes_are_the_fragments_a_run_cuts(fragments):
     model = Blocks(width=32)  # 4,417 parameters, so every cut falls inside a tensor
-    cfg = SyncConfig(sync_every=8, fragments=fragments)
+    cfg = SyncConfig(schedule={"sync_every": 8, "fragments": fragments})
     planned = tuple(f.numel for f in plan_for(model, cfg).fragments)
-    assert ar.split_sizes(sum(planned), fragments, cfg.block_size) == planned
+    assert ar.split_sizes(sum(planned), fragments, cfg.codec.block_size) == planned
 
 
 def test_a_large_fragment_is_cut_evenly_so_zarr_pads_little():

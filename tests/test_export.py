@@ -28,8 +28,8 @@ MICRO = [
     "model.overrides={d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}",
     "data.seq_len=16", "data.batch_size=4", "optim.warmup_steps=2", "optim.lr=0.01",
     "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",
-    "train.checkpoint_every=0", "train.steps=8", "sync.sync_every=4", "sync.fragments=2",
-    "sync.overlap=1", "sync.poll_max_s=0.05", "sync.grace_min_s=0.05", "sync.quorum=1.0",
+    "train.checkpoint_every=0", "train.steps=8", "sync.schedule.sync_every=4", "sync.schedule.fragments=2",
+    "sync.schedule.overlap=1", "sync.liveness.poll_max_s=0.05", "sync.membership.grace_min_s=0.05", "sync.membership.quorum=1.0",
 ]
 
 

@@ -66,10 +66,11 @@ MICRO = [
     "data.seq_len=32", "data.batch_size=8", "optim.warmup_steps=4", "optim.lr=0.01",
     "train.eval_every=0", "train.eval_batches=2", "train.log_every=1", "train.threads=1",
     "train.steps=16", "train.checkpoint_every=4", "train.keep_checkpoints=0",
-    "sync.sync_every=4", "sync.fragments=2", "sync.overlap=1",
-    "sync.codec_up=int4", "sync.codec_down=int8", "sync.error_feedback=true",
-    "sync.deadline_s=30", "sync.absent_deadline_s=30", "sync.poll_max_s=0.1",
-    "sync.quorum=1.0",
+    "sync.schedule.sync_every=4", "sync.schedule.fragments=2", "sync.schedule.overlap=1",
+    "sync.codec.up=int4", "sync.codec.down=int8", "sync.codec.feedback_up=true",
+    "sync.codec.feedback_down=true",
+    "sync.membership.deadline_s=30", "sync.membership.absent_deadline_s=30", "sync.liveness.poll_max_s=0.1",
+    "sync.membership.quorum=1.0",
 ]
 
 
@@ -162,7 +163,7 @@ def test_kill_at_boundary(who, boundary, fragment, rnd, data_url, reference, tmp
 
 PLANTS = ["flip", "nan", "shape", "replay", "huge"]
 #: the round each kind is planted in: a replay copies round 0's record to round 1;
-#: a huge value needs the norm guard's history (sync.norm_guard_warmup = 2 rounds)
+#: a huge value needs the norm guard's history (sync.guard.warmup = 2 rounds)
 PLANT_ROUND = {"replay": 1}
 PLANT_FRAGMENT = 1
 
@@ -222,7 +223,7 @@ def test_bad_payload(kind, slot, data_url, reference, tmp_path):
 #: worker can fall 30 s behind the other behind this proxy, and a round reduced
 #: without it is correct but not the reference's.
 S3_RUN = ["train.steps=8", "train.checkpoint_every=0", "train.log_every=4",
-          "sync.poll_max_s=0.2", "sync.deadline_s=80", "sync.absent_deadline_s=80"]
+          "sync.liveness.poll_max_s=0.2", "sync.membership.deadline_s=80", "sync.membership.absent_deadline_s=80"]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Fragments that split tensors (``sync.split_tensors``, docs/algorithms.md
+"""Fragments that split tensors (``sync.schedule.split_tensors``, docs/algorithms.md
 "Fragments") through the real Synchronizer and Aggregator: a run restarted from its
 checkpoints ends with the bits of one never stopped, the canonical model reassembles
 the split tensors, and a run written before tensors could be split keeps whole ones.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
+import warnings
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from test_aggregator import state_hash, with_kills
 
 from diloco.aggregator import Aggregator
 from diloco.bootstrap import canonical_after
-from diloco.config import SyncConfig
+from diloco.config import FLAT_KEYS, SyncConfig
 from diloco.run import load_canonical, open_run, plan_for
 from diloco.synchronizer import Synchronizer
 from replicas import Blocks, data, train_replicas
@@ -26,10 +27,14 @@ from storage.spec import FragmentEntry
 # Blocks has 337 parameters (4 -> 8, four 8 x 8 layers, 8 -> 1); with blocks of 32
 # values P = 2 cuts at 160 and P = 4 at 64, 160, 224: inside layer weights.
 CONFIGS = {
-    2: SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1, alpha=0.5,
-                  codec_up="int4", codec_down="int4", block_size=32),
-    4: SyncConfig(mode="streaming", sync_every=8, fragments=4, overlap=1, alpha=0.5,
-                  codec_up="int4", codec_down="int4", block_size=32),
+    2: SyncConfig(
+        schedule={"mode": "streaming", "sync_every": 4, "fragments": 2, "overlap": 1, "alpha": 0.5},
+        codec={"up": "int4", "down": "int4", "block_size": 32},
+    ),
+    4: SyncConfig(
+        schedule={"mode": "streaming", "sync_every": 8, "fragments": 4, "overlap": 1, "alpha": 0.5},
+        codec={"up": "int4", "down": "int4", "block_size": 32},
+    ),
 }
 STEPS = 18
 
@@ -51,7 +56,7 @@ def test_split_run_restarted_from_checkpoints_ends_with_the_same_bits(p):
     plan = plan_for(Blocks(), cfg)
     assert any(not s.whole for f in plan.fragments for s in f.params), "a tensor is cut"
     sizes = [f.numel for f in plan.fragments]
-    assert max(sizes) - 337 / p < cfg.block_size
+    assert max(sizes) - 337 / p < cfg.codec.block_size
     plain = train_replicas(url(), Blocks, data, cfg, total_steps=STEPS, inner_lr=0.05)
     u = url()
     restarts: list[int] = []
@@ -95,27 +100,32 @@ def test_the_canonical_model_reassembles_split_tensors(p):
 
 
 def test_a_manifest_from_before_split_tensors_resumes_with_whole_tensors():
-    """Its sync (and config.sync) lack split_tensors: opened, they say false, and a
-    worker planning from them gets the run's whole-tensor fragments."""
-    cfg = CONFIGS[2].model_copy(update={"split_tensors": False})
+    """Its sync (and config.sync) is flat, as then, and lacks split_tensors: opened,
+    they say false, and a worker planning from them gets the run's whole-tensor
+    fragments."""
+    cfg = CONFIGS[2].changed(schedule={"split_tensors": False})
     u = url()
     res = train_replicas(u, Blocks, data, cfg, total_steps=8, inner_lr=0.05)
     store = ObjectStore(u)
     old = json.loads(store.get(MANIFEST))
-    del old["sync"]["split_tensors"]
-    old["config"] = {"sync": {k: v for k, v in old["sync"].items()}}
+    flat = {key: old["sync"][section][field] for key, (section, field) in FLAT_KEYS.items()
+            if key != "split_tensors"}
+    old["sync"], old["config"] = flat, {"sync": dict(flat)}
     store.put(MANIFEST, json.dumps(old).encode())
 
     ex = open_run(store)
     assert ex.manifest.sync["split_tensors"] is False
     assert ex.manifest.config["sync"]["split_tensors"] is False
-    resumed = SyncConfig(**ex.manifest.sync)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an old run is read without a warning
+        resumed = SyncConfig.stored(ex.manifest.sync)
+    assert not resumed.schedule.split_tensors
     model = Blocks()
     whole = plan_for(model, resumed)
     assert all(s.whole for f in whole.fragments for s in f.params)
     Synchronizer(model, ex, "w0", whole, initialise=False).close()
     with pytest.raises(ValueError, match="fragment 0"):  # what the default would plan
-        plan_for(model, resumed.model_copy(update={"split_tensors": True})).check_against(
+        plan_for(model, resumed.changed(schedule={"split_tensors": True})).check_against(
             ex.manifest.model_dump()["fragments"])
     _, params = canonical_after(ex, resumed)
     for i, flat in enumerate(params):
@@ -134,12 +144,12 @@ def test_manifest_entries_carry_slices_and_check_them():
 
 MICRO = [
     "model.overrides={d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}",
-    "data.seq_len=16", "data.batch_size=4", "train.steps=8", "sync.sync_every=4",
-    "sync.fragments=2", "sync.overlap=1",
+    "data.seq_len=16", "data.batch_size=4", "train.steps=8", "sync.schedule.sync_every=4",
+    "sync.schedule.fragments=2", "sync.schedule.overlap=1",
 ]
 
 
-@pytest.mark.parametrize("child", [["sync.split_tensors=false"], ["sync.fragments=1"]])
+@pytest.mark.parametrize("child", [["sync.schedule.split_tensors=false"], ["sync.schedule.fragments=1"]])
 def test_a_continuation_with_other_fragments_starts_from_the_parents_model(tmp_path, child):
     """The parent's canonical model is read with the parent's fragments (split at
     P = 2), then cut the child's way: the child's initial parameters are the parent's

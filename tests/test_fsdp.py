@@ -57,10 +57,10 @@ def island_run(tmp_path: Path, data_url: str, name: str, *overrides: str):
 # overlap auto sizes tau to measured latencies: on a loaded machine the two runs' taus
 # (so their trajectories) could differ; a margin this wide makes every tau H/P - 1,
 # which the ranks other than rank 0 still learn only from it
-AUTO = ["sync.overlap=auto", "sync.overlap_margin=1000"]
+AUTO = ["sync.schedule.overlap=auto", "sync.schedule.overlap_margin=1000"]
 
 
-@pytest.mark.parametrize("sync", [AUTO, ["sync.split_tensors=true"]],
+@pytest.mark.parametrize("sync", [AUTO, ["sync.schedule.split_tensors=true"]],
                          ids=["overlap-auto", "split-tensors"])
 def test_fsdp_island_trains_as_the_replicated_island(tmp_path, data_url, sync):
     """Same global batch, same loss curve over two outer syncs, same final model (the
@@ -106,7 +106,7 @@ def _island(seed: int):
 
     model = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2,
                                     max_seq_len=16), seed=seed)
-    plan = plan_for(model, SyncConfig(fragments=2))
+    plan = plan_for(model, SyncConfig(schedule={"fragments": 2}))
     initial = [plan.gather(build_model(model.config, seed=0), p) for p in range(len(plan))]
     island = ShardedIsland(model, plan, torch.distributed.get_rank(), initial)
     return island, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)

@@ -23,9 +23,9 @@ from workers.runs import create_run
 # H 4, P 2: merge points every 2 steps; fragment 0 rounds merge at steps 2, 6, ...
 MICRO = ["model.overrides={d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}",
          "data.seq_len=16", "data.batch_size=4", "train.steps=16",
-         "sync.sync_every=4", "sync.fragments=2", "sync.overlap=1",
-         "sync.grace_min_s=0.5", "sync.grace_max_s=5", "sync.lease_s=120",
-         "sync.deadline_s=600", "workers=[a, b, c]"]
+         "sync.schedule.sync_every=4", "sync.schedule.fragments=2", "sync.schedule.overlap=1",
+         "sync.membership.grace_min_s=0.5", "sync.membership.grace_max_s=5", "sync.liveness.lease_s=120",
+         "sync.membership.deadline_s=600", "workers=[a, b, c]"]
 
 
 class Clock:
@@ -57,12 +57,13 @@ class Setup:
         for key in list(exchange.store.list("members/")):
             exchange.store.delete(key)
         self.clock = Clock()
-        sync = dict(exchange.manifest.sync)
-        for item in overrides:
-            k, v = item.split("=")
-            sync[k] = float(v)
-        self.config = SyncConfig(**sync)
-        self.roster = Roster(exchange.store, exchange.manifest, lease_s=self.config.lease_s,
+        changes: dict[str, dict[str, float]] = {}
+        for item in overrides:  # section.field=value
+            key, v = item.split("=")
+            section, field = key.split(".")
+            changes.setdefault(section, {})[field] = float(v)
+        self.config = SyncConfig.stored(exchange.manifest.sync).changed(**changes)
+        self.roster = Roster(exchange.store, exchange.manifest, lease_s=self.config.liveness.lease_s,
                              slots=3, clock=self.clock)
         self.gate = Gate(exchange, self.config, self.roster, "aggregator", reduced=reduced)
         self.n = 0

@@ -256,7 +256,7 @@ def test_init_from_starts_the_run_from_the_file_bit_for_bit(tmp_path, dataset):
     src = _llama_dir(tmp_path, tie_word_embeddings=False)
     cfg = load_config("tiny", [f"model.hf_config={src / 'config.json'}",
                                f"model.init_from={src}", f"data.dataset={dataset}",
-                               "data.seq_len=64", "sync.fragments=2"])
+                               "data.seq_len=64", "sync.schedule.fragments=2"])
     url = f"file://{tmp_path}/run"
     create_run(cfg, url)
     model = build_model(cfg.model_config_resolved, seed=99)  # other weights, overwritten

@@ -37,8 +37,10 @@ def url() -> str:
 
 
 def test_maxtext_two_replicas():
-    cfg = SyncConfig(mode="diloco", sync_every=3, fragments=1, outer_lr=1.0,
-                     outer_momentum=0.9)
+    cfg = SyncConfig(
+        schedule={"mode": "diloco", "sync_every": 3, "fragments": 1},
+        outer={"lr": 1.0, "momentum": 0.9},
+    )
     res = train_replicas(url(), linear, lambda w, t: DATA[w], cfg, total_steps=4)
     t0, t1 = res.traces["w0"], res.traces["w1"]
     mean_loss = [(a + b) / 2 for a, b in zip(t0.losses, t1.losses, strict=True)]
@@ -88,7 +90,10 @@ def _small() -> nn.Module:
 
 def test_fedavg_identity():
     """Outer lr 1, momentum 0: the outer parameters become the mean of the workers'."""
-    cfg = SyncConfig(mode="diloco", sync_every=5, outer_lr=1.0, outer_momentum=0.0)
+    cfg = SyncConfig(
+        schedule={"mode": "diloco", "sync_every": 5},
+        outer={"lr": 1.0, "momentum": 0.0},
+    )
     res = train_replicas(url(), _small, _regression_data, cfg, total_steps=5)
     # The replicas' parameters at step 5, just before the merge, are reconstructed from
     # the published deltas (codec none): theta_m = theta_0 - delta_m. After the merge
@@ -109,7 +114,10 @@ def test_fedavg_identity():
 
 def test_one_worker_equals_plain_training():
     """One worker, outer lr 1, momentum 0: identical to plain training."""
-    cfg = SyncConfig(mode="diloco", sync_every=3, outer_lr=1.0, outer_momentum=0.0)
+    cfg = SyncConfig(
+        schedule={"mode": "diloco", "sync_every": 3},
+        outer={"lr": 1.0, "momentum": 0.0},
+    )
     steps = 9
     res = train_replicas(url(), _small, _regression_data, cfg, workers=("w0",),
                          total_steps=steps)
@@ -131,7 +139,10 @@ def test_one_worker_equals_plain_training():
 
 def test_h1_equals_data_parallel_sgd():
     """H = 1, inner SGD, outer lr 1 momentum 0: synchronous SGD on the mean gradient."""
-    cfg = SyncConfig(mode="diloco", sync_every=1, outer_lr=1.0, outer_momentum=0.0)
+    cfg = SyncConfig(
+        schedule={"mode": "diloco", "sync_every": 1},
+        outer={"lr": 1.0, "momentum": 0.0},
+    )
     steps = 4
     res = train_replicas(url(), _small, _regression_data, cfg, total_steps=steps)
     model = _small()

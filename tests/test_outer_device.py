@@ -1,4 +1,4 @@
-"""``sync.outer_device``: where a worker keeps its outer state. On the CPU both
+"""``sync.outer.device``: where a worker keeps its outer state. On the CPU both
 choices are the same placement, so they must give the same bits (on a GPU ``device``
 moves deltas and means through pinned memory: diloco/fragments.py ``to_host`` and
 ``to_device``)."""
@@ -22,17 +22,19 @@ def _run(cfg: SyncConfig):
 
 
 @pytest.mark.parametrize("sync", [
-    dict(mode="streaming", overlap=1, codec_up="int4", codec_down="int8", block_size=32),
+    ({"mode": "streaming", "overlap": 1}, {"up": "int4", "down": "int8", "block_size": 32}),
     # pure eager waits for the round before (adaptive's result depends on which means
     # have arrived: timing); its end applies the outstanding parts as a correction
-    dict(mode="eager", eager_rule="pure", codec_up="int8", block_size=32),
+    ({"mode": "eager", "eager_rule": "pure"}, {"up": "int8", "block_size": 32}),
 ], ids=["streaming-int4", "eager-pure"])
 def test_outer_state_on_the_device_gives_the_bits_of_the_cpu(sync):
     """Outer parameters, momentum, error-feedback residuals and the live model agree
     bit for bit after a run with either placement (the device here is the CPU)."""
-    common = dict(sync_every=4, fragments=2, alpha=0.5, **sync)
-    cpu = _run(SyncConfig(outer_device="cpu", **common))
-    dev = _run(SyncConfig(outer_device="device", **common))
+    schedule, codec = sync
+    common = dict(schedule={"sync_every": 4, "fragments": 2, "alpha": 0.5, **schedule},
+                  codec=codec)
+    cpu = _run(SyncConfig(outer={"device": "cpu"}, **common))
+    dev = _run(SyncConfig(outer={"device": "device"}, **common))
     assert cpu.traces.keys() == dev.traces.keys()
     for worker, a in cpu.traces.items():
         b = dev.traces[worker]
@@ -47,7 +49,7 @@ def test_outer_state_on_the_device_gives_the_bits_of_the_cpu(sync):
 
 
 def test_a_bad_outer_device_is_refused_naming_the_field_and_the_choices():
-    with pytest.raises(ValidationError, match=r"outer_device\n.*'cpu' or 'device'"):
-        SyncConfig(outer_device="gpu")
-    with pytest.raises(ValueError, match=r"outer_device.*'cpu' or 'device'"):
-        load_config("tiny", ["sync.outer_device=gpu"])
+    with pytest.raises(ValidationError, match=r"outer.device\n.*'cpu' or 'device'"):
+        SyncConfig(outer={"device": "gpu"})
+    with pytest.raises(ValueError, match=r"sync.outer.device: .*'cpu' or 'device'"):
+        load_config("tiny", ["sync.outer.device=gpu"])

@@ -100,23 +100,26 @@ def test_schedule_with_per_point_taus_sends_each_round_tau_steps_before_its_merg
 
 # -- configuration ------------------------------------------------------------------------
 def test_overlap_accepts_auto_and_refuses_what_cannot_use_it():
-    cfg = SyncConfig(sync_every=12, fragments=2, overlap="auto")
-    assert cfg.auto_overlap and cfg.send_offset == 5  # overlap_start H/P - 1: round counts
-    assert SyncConfig(sync_every=12, fragments=2, overlap="auto",
-                      overlap_start=2).send_offset == 2
-    assert SyncConfig(overlap="3").overlap == 3  # a --set value arrives as text
+    cfg = SyncConfig(schedule={"sync_every": 12, "fragments": 2, "overlap": "auto"})
+    # overlap_start resolved to H/P - 1 at creation: it fixes the round counts
+    assert cfg.schedule.auto and cfg.schedule.overlap_start == cfg.schedule.send_offset == 5
+    assert SyncConfig(
+        schedule={"sync_every": 12, "fragments": 2, "overlap": "auto", "overlap_start": 2},
+    ).schedule.send_offset == 2
+    # a --set value arrives as text
+    assert SyncConfig(schedule={"overlap": "3"}).schedule.overlap == 3
     cases = [
         (dict(overlap="often"), "must be an integer tau or 'auto'"),
         (dict(mode="diloco", overlap="auto"), "overlap 'auto' needs mode streaming"),
         (dict(mode="eager", overlap="auto"), "needs mode streaming, got mode 'eager'"),
-        (dict(overlap="auto", overlap_start=0), "overlap_start must be >= 1"),
+        (dict(overlap="auto", overlap_start=0), "greater than or equal to 1"),
         (dict(sync_every=4, fragments=2, overlap="auto", overlap_start=2),
          "overlap_start must satisfy 1 <= tau < H/P = 2"),
-        (dict(overlap="auto", overlap_margin=-0.5), "overlap_margin must be >= 0"),
+        (dict(overlap="auto", overlap_margin=-0.5), "greater than or equal to 0"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValidationError) as info:
-            SyncConfig(**kwargs)
+            SyncConfig(schedule=kwargs)
         assert len(info.value.errors()) == 1 and message in str(info.value), kwargs
 
 
@@ -136,14 +139,15 @@ class SlowLink(Exchange):
         return super().fetch_mean(fragment, round, known)
 
 
-FAST_POLL = dict(poll_interval_s=0.005, poll_max_s=0.01, grace_min_s=0.01)
+FAST_POLL = dict(liveness={"poll_interval_s": 0.005, "poll_max_s": 0.01},
+                 membership={"grace_min_s": 0.01})
 
 
 def _slow_run(overlap, *, delay: float | dict[str, float], step_s: float, steps: int,
               **kw):
     """Two workers, H = 12, P = 2; ``delay``: the round trip, or one per worker."""
-    cfg = SyncConfig(mode="streaming", sync_every=12, fragments=2, overlap=overlap,
-                     alpha=0.5, **FAST_POLL)
+    cfg = SyncConfig(schedule={"mode": "streaming", "sync_every": 12, "fragments": 2,
+                               "overlap": overlap, "alpha": 0.5}, **FAST_POLL)
     delays = delay if isinstance(delay, dict) else {"w0": delay, "w1": delay}
     return train_replicas(url(), Blocks, data, cfg, total_steps=steps, inner_lr=0.05,
                           before_step=lambda w, s, sync: time.sleep(step_s),
@@ -214,8 +218,9 @@ def test_a_slower_peer_does_not_make_tau_grow_to_the_ceiling():
     covers the link: 0.05 s * 1.25 over w0's 0.03 s steps, 3 steps, far below
     H/P - 1 = 11, where the lag (about 7 steps more) would take it. The margin is wide
     on purpose: a loaded machine stretches every latency a little."""
-    cfg = SyncConfig(mode="streaming", sync_every=24, fragments=2, overlap="auto",
-                     overlap_start=1, alpha=0.5, **FAST_POLL)
+    cfg = SyncConfig(schedule={"mode": "streaming", "sync_every": 24, "fragments": 2,
+                               "overlap": "auto", "overlap_start": 1, "alpha": 0.5},
+                     **FAST_POLL)
     pace = {"w0": 0.03, "w1": 0.06}
     res = train_replicas(url(), Blocks, data, cfg, total_steps=96, inner_lr=0.05,
                          before_step=lambda w, s, sync: time.sleep(pace[w]),
@@ -277,7 +282,7 @@ def test_a_worker_reports_its_taus_and_resumes_a_crash_with_overlap_auto(dataset
             reported.append(m)
 
     run = Watched(config(dataset, "train.steps=24", "train.checkpoint_every=8",
-                         "sync.overlap=auto", "sync.quorum=1.0"))
+                         "sync.schedule.overlap=auto", "sync.membership.quorum=1.0"))
     results = run.train(crash={"region-b": 14})
     assert results["region-b"].resumed_from == 8
     for w in run.cfg.workers:

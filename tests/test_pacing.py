@@ -77,7 +77,9 @@ def test_a_real_run_teaches_the_aggregator_each_fragments_rhythm(tmp_path) -> No
     from diloco.config import SyncConfig  # noqa: PLC0415
     from tests.replicas import Blocks, data, train_replicas  # noqa: PLC0415
 
-    config = SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1)
+    config = SyncConfig(
+        schedule={"mode": "streaming", "sync_every": 4, "fragments": 2, "overlap": 1},
+    )
     result = train_replicas(f"file://{tmp_path}/run", Blocks, data, config, total_steps=24,
                             before_step=lambda w, s, sync: time.sleep(0.02))
     agg = result.aggregator

@@ -30,7 +30,10 @@ def test_a_dead_aggregator_fails_the_run_promptly(tmp_path):
     def aggregate(stop: threading.Event):
         raise OSError("the aggregator lost its store")
 
-    cfg = SyncConfig(mode="diloco", sync_every=2, outer_lr=1.0, outer_momentum=0.0)
+    cfg = SyncConfig(
+        schedule={"mode": "diloco", "sync_every": 2},
+        outer={"lr": 1.0, "momentum": 0.0},
+    )
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="aggregator thread failed") as info:
         train_replicas(str(tmp_path), _model, _data, cfg, total_steps=6, aggregate=aggregate)

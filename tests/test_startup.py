@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MICRO = [
     "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
     "data.seq_len=32", "data.batch_size=8", "optim.warmup_steps=4", "optim.lr=0.01",
-    "train.eval_every=0", "train.eval_batches=2", "train.threads=1", "sync.sync_every=8",
-    "sync.fragments=2", "sync.overlap=1", "train.checkpoint_every=8",
+    "train.eval_every=0", "train.eval_batches=2", "train.threads=1", "sync.schedule.sync_every=8",
+    "sync.schedule.fragments=2", "sync.schedule.overlap=1", "train.checkpoint_every=8",
 ]
 SHORT = [a for item in MICRO for a in ("--set", item)]
 

@@ -45,8 +45,10 @@ def reference(values: dict[str, np.ndarray], weights: dict[str, float]) -> np.nd
 def run_of(codec: str, bad: dict | None = None) -> str:
     """make_run's run (K = 1) sent with ``codec``, the means sent down uncoded (so a
     committed mean is the sum itself) unless the codec is sparse (a peers mean)."""
-    cfg = SyncConfig(mode="diloco", sync_every=2, fragments=2, codec_up=codec,
-                     codec_down="none", block_size=32)
+    cfg = SyncConfig(
+        schedule={"mode": "diloco", "sync_every": 2, "fragments": 2},
+        codec={"up": codec, "down": "none", "block_size": 32},
+    )
     return make_run(1, bad, cfg)
 
 

@@ -21,7 +21,7 @@ def url() -> str:
 def _merges(cfg: SyncConfig, step: int) -> list[tuple[int, int]]:
     from diloco.schedule import Schedule  # noqa: PLC0415
 
-    sched = Schedule(cfg.sync_every, cfg.fragments, cfg.send_offset)
+    sched = Schedule.of(cfg.schedule)
     return [(e.fragment, e.round) for e in sched.events(step) if e.kind == "merge"]
 
 
@@ -30,8 +30,10 @@ def test_non_eager_workers_hold_canonical_state_bit_for_bit(codec):
     """Streaming (P = 2, tau = 1, alpha = 0.5): after every merge, each worker's outer
     parameters and momentum equal the aggregator's checkpoint of that round, bit for
     bit; after finish() the live model equals the canonical model."""
-    cfg = SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1, alpha=0.5,
-                     codec_up=codec, codec_down=codec, block_size=32)
+    cfg = SyncConfig(
+        schedule={"mode": "streaming", "sync_every": 4, "fragments": 2, "overlap": 1, "alpha": 0.5},
+        codec={"up": codec, "down": codec, "block_size": 32},
+    )
     seen: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def record(worker, step, sync):
@@ -63,12 +65,13 @@ def test_non_eager_workers_hold_canonical_state_bit_for_bit(codec):
 def test_one_worker_eager_equals_blocking(rule):
     """M = 1, codec none: eager updates (alpha 0) equal blocking DiLoCo, step by step,
     bit for bit (docs/algorithms.md section 6)."""
-    common = dict(sync_every=3, fragments=1, outer_lr=0.7, outer_momentum=0.9)
-    blocking = train_replicas(url(), Blocks, data, SyncConfig(mode="diloco", **common),
+    h, outer = {"sync_every": 3, "fragments": 1}, {"lr": 0.7, "momentum": 0.9}
+    blocking = train_replicas(url(), Blocks, data,
+                              SyncConfig(schedule={"mode": "diloco", **h}, outer=outer),
                               workers=("w0",), total_steps=12)
-    eager = train_replicas(url(), Blocks, data,
-                           SyncConfig(mode="eager", eager_rule=rule, alpha=0.0, **common),
-                           workers=("w0",), total_steps=12)
+    eager = SyncConfig(schedule={"mode": "eager", "eager_rule": rule, "alpha": 0.0, **h},
+                       outer=outer)
+    eager = train_replicas(url(), Blocks, data, eager, workers=("w0",), total_steps=12)
     b, e = blocking.traces["w0"], eager.traces["w0"]
     assert b.losses == e.losses
     for pb, pe in zip(b.params, e.params, strict=True):
@@ -125,14 +128,20 @@ def _eager_run(cfg: SyncConfig, late: set[tuple[int, int]], total_steps: int = 1
             if waits_in_training is not None:
                 waits_in_training[worker] = list(sync.stats.waits)
             views[worker].released.update(
-                (p, r) for p in range(cfg.fragments) for r in range(100))
+                (p, r) for p in range(cfg.schedule.fragments) for r in range(100))
 
     return train_replicas(url(), Blocks, data, cfg, total_steps=total_steps,
                           wrap_exchange=wrap, before_step=before, on_step=release_all,
                           inner_lr=0.05, restart_at=restart_at)
 
 
-EAGER = dict(sync_every=4, fragments=2, outer_lr=0.7, outer_momentum=0.5)
+EAGER_HP = {"sync_every": 4, "fragments": 2}
+EAGER_OUTER = {"lr": 0.7, "momentum": 0.5}
+
+
+def _eager(**schedule) -> SyncConfig:
+    """H = 4, P = 2, eta 0.7, mu 0.5 with the given schedule fields."""
+    return SyncConfig(schedule={**EAGER_HP, **schedule}, outer=EAGER_OUTER)
 
 
 def _outer(res, worker, fragments=2):
@@ -141,9 +150,9 @@ def _outer(res, worker, fragments=2):
 
 def test_adaptive_eager_all_on_time_equals_streaming():
     streaming = train_replicas(url(), Blocks, data,
-                               SyncConfig(mode="streaming", overlap=1, alpha=0.5, **EAGER),
+                               _eager(mode="streaming", overlap=1, alpha=0.5),
                                total_steps=16, inner_lr=0.05)
-    adaptive = _eager_run(SyncConfig(mode="eager", overlap=1, alpha=0.5, **EAGER), late=set())
+    adaptive = _eager_run(_eager(mode="eager", overlap=1, alpha=0.5), late=set())
     for w in ("w0", "w1"):
         assert streaming.traces[w].losses == adaptive.traces[w].losses
         assert torch.equal(_outer(streaming, w), _outer(adaptive, w))
@@ -153,8 +162,8 @@ def test_adaptive_eager_all_on_time_equals_streaming():
 def test_adaptive_eager_all_late_equals_pure_eager():
     """Every mean one round late: the adaptive rule is the paper's eager rule."""
     late = {(p, r) for p in range(2) for r in range(10)}
-    pure = _eager_run(SyncConfig(mode="eager", eager_rule="pure", **EAGER), late=late)
-    adaptive = _eager_run(SyncConfig(mode="eager", alpha=0.0, **EAGER), late=late)
+    pure = _eager_run(_eager(mode="eager", eager_rule="pure"), late=late)
+    adaptive = _eager_run(_eager(mode="eager", alpha=0.0), late=late)
     for w in ("w0", "w1"):
         assert adaptive.traces[w].sync.stats.late_means > 0
         torch.testing.assert_close(torch.tensor(pure.traces[w].losses),
@@ -167,8 +176,10 @@ def test_adaptive_eager_applies_every_contribution_once():
     """Half the means late, outer momentum 0: after the last means arrive, every
     worker's outer parameters moved by exactly -lr * (sum of all means), like the
     canonical model: each contribution was applied once, none twice or never."""
-    cfg = SyncConfig(mode="eager", overlap=1, alpha=0.5, sync_every=4, fragments=2,
-                     outer_lr=0.7, outer_momentum=0.0)
+    cfg = SyncConfig(
+        schedule={"mode": "eager", "overlap": 1, "alpha": 0.5, "sync_every": 4, "fragments": 2},
+        outer={"lr": 0.7, "momentum": 0.0},
+    )
     late = {(0, 0), (1, 1), (0, 2), (1, 3)}
     waits: dict[str, list[float]] = {}
     res = _eager_run(cfg, late=late, waits_in_training=waits)
@@ -188,8 +199,10 @@ def test_adaptive_eager_applies_every_contribution_once():
 def test_synchronizer_resumes_exactly_from_its_state_dict():
     """A worker restarted from state_dict() mid-run (a fragment in flight) continues
     exactly as if it had not stopped."""
-    cfg = SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1, alpha=0.5,
-                     codec_up="int4", codec_down="int8", block_size=32)
+    cfg = SyncConfig(
+        schedule={"mode": "streaming", "sync_every": 4, "fragments": 2, "overlap": 1, "alpha": 0.5},
+        codec={"up": "int4", "down": "int8", "block_size": 32},
+    )
     plain = train_replicas(url(), Blocks, data, cfg, total_steps=14, inner_lr=0.05)
     # step 5 is fragment 0's send of round 1 (s = 2, tau = 1): in flight at the restart
     resumed = train_replicas(url(), Blocks, data, cfg, total_steps=14, inner_lr=0.05,
@@ -202,8 +215,8 @@ def test_synchronizer_resumes_exactly_from_its_state_dict():
 def test_eager_synchronizer_resumes_exactly_with_late_means_pending():
     """Adaptive eager with late means: restarted while a late mean's correction is
     still owed, the worker applies it once after the resume, exactly as before."""
-    cfg = SyncConfig(mode="eager", overlap=1, alpha=0.5, codec_up="int4",
-                     codec_down="int8", block_size=32, **EAGER)
+    cfg = SyncConfig(schedule={**EAGER_HP, "mode": "eager", "overlap": 1, "alpha": 0.5},
+                     outer=EAGER_OUTER, codec={"up": "int4", "down": "int8", "block_size": 32})
     late = {(0, 0), (1, 1), (0, 2)}
     plain = _eager_run(cfg, late)
     # w0 restarts at step 3: fragment 0's round 0 merged with its mean still owed,
@@ -226,7 +239,7 @@ def _lonely_worker(stop, patience: float, steps: int = 1):
     from diloco.synchronizer import Synchronizer  # noqa: PLC0415
     from storage.objectstore import ObjectStore  # noqa: PLC0415
 
-    cfg = SyncConfig(mode="diloco", sync_every=2, fragments=1)
+    cfg = SyncConfig(schedule={"mode": "diloco", "sync_every": 2, "fragments": 1})
     u = url()
     model = Blocks()
     new_run(ObjectStore(u), model, cfg, workers=["w0", "w1"], total_steps=4)
@@ -353,8 +366,10 @@ def test_a_worker_holds_no_values_of_settled_rounds():
     commits (tau agreement, drain, checkpoint) but not its decoded contribution, its
     payload or its mean (they were twice the model's float32 size); the error-feedback
     residual is rewritten in place round after round, not reallocated."""
-    cfg = SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1, alpha=0.5,
-                     codec_up="int4", codec_down="int8", block_size=32)
+    cfg = SyncConfig(
+        schedule={"mode": "streaming", "sync_every": 4, "fragments": 2, "overlap": 1, "alpha": 0.5},
+        codec={"up": "int4", "down": "int8", "block_size": 32},
+    )
     settled, buffers = [], {}
 
     def inspect(worker, step, sync):
@@ -380,8 +395,10 @@ def test_a_worker_holds_no_values_of_settled_rounds():
 def test_a_checkpoint_can_take_the_state_without_copies():
     """``state_dict(copy=False)`` (what a worker writes at once) holds the outer state
     and residuals themselves, with the values of the copying form."""
-    cfg = SyncConfig(mode="streaming", sync_every=4, fragments=2, overlap=1, alpha=0.5,
-                     codec_up="int4", codec_down="int8", block_size=32)
+    cfg = SyncConfig(
+        schedule={"mode": "streaming", "sync_every": 4, "fragments": 2, "overlap": 1, "alpha": 0.5},
+        codec={"up": "int4", "down": "int8", "block_size": 32},
+    )
     sync = train_replicas(url(), Blocks, data, cfg, total_steps=14,
                           inner_lr=0.05).traces["w0"].sync
     copied, held = sync.state_dict(), sync.state_dict(copy=False)

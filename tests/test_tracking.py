@@ -51,8 +51,8 @@ UP_PER_MERGE, DOWN_PER_MERGE = 1000, 500
 def tiny_config(strategy: str = "diloco", steps: int = STEPS) -> dict[str, Any]:
     cfg = load_config(None, [
         f"train.steps={steps}", "train.eval_every=20", "train.log_every=10",
-        f"train.strategy={strategy}", "sync.sync_every=20", "sync.fragments=2",
-        "sync.overlap=0", "data.batch_size=4", "data.seq_len=32",
+        f"train.strategy={strategy}", "sync.schedule.sync_every=20", "sync.schedule.fragments=2",
+        "sync.schedule.overlap=0", "data.batch_size=4", "data.seq_len=32",
         "train.log_model=false",  # a fake run has no model in its store to log
     ])
     return cfg.model_dump(mode="json")
@@ -213,7 +213,7 @@ def check_tiny_run(client: MlflowClient, run_url: str, store: ObjectStore) -> di
     assert tags["mlflow.source.name"] == "diloco train"
     assert re.fullmatch(r"[0-9a-f]{40}", tags["mlflow.source.git.commit"])
     assert params["train.steps"] == str(STEPS)
-    assert params["sync.fragments"] == "2"
+    assert params["sync.schedule.fragments"] == "2"
     assert params["workers"] == '["region-a", "region-b"]'
     assert int(params["model.parameters"]) > 0
     assert len(params) > 40  # the whole resolved config
@@ -660,8 +660,8 @@ def test_micro_training_run_through_the_train_job(sqlite_tracking: str, tmp_path
 
     cfg = load_config("tiny", [
         "train.steps=20", "train.eval_every=10", "train.log_every=5",
-        "train.checkpoint_every=0", "sync.sync_every=10", "sync.fragments=2",
-        "sync.overlap=0", "data.batch_size=4", "data.seq_len=32",
+        "train.checkpoint_every=0", "sync.schedule.sync_every=10", "sync.schedule.fragments=2",
+        "sync.schedule.overlap=0", "data.batch_size=4", "data.seq_len=32",
     ])
     run_url = str(tmp_path / "store" / "micro")
     report = run_train(cfg, run_url, launcher=LocalLauncher(), poll_s=0.5)

@@ -48,8 +48,10 @@ def corrupt_chunk(ex: Exchange, p: int, r: int, worker: str) -> None:
     ex.store.put(key, bytes(data))
 
 
-BLOCKING = SyncConfig(mode="diloco", sync_every=2, fragments=1, outer_lr=0.7,
-                      outer_momentum=0.9)
+BLOCKING = SyncConfig(
+    schedule={"mode": "diloco", "sync_every": 2, "fragments": 1},
+    outer={"lr": 0.7, "momentum": 0.9},
+)
 
 
 def test_a_commit_record_copied_to_another_round_is_rejected():
@@ -187,7 +189,7 @@ def test_a_fragment_whose_every_contribution_is_rejected_halts_the_aggregator():
 
 
 def test_the_norm_guard_is_off_when_set_to_zero():
-    _, ex = make_run(BLOCKING.model_copy(update={"norm_guard": 0.0}), steps=6)
+    _, ex = make_run(BLOCKING.changed(guard={"ratio": 0.0}), steps=6)
     agg = Aggregator(open_run(ex.store))
     for r in range(3):
         for w in ("w0", "w1"):
@@ -259,8 +261,7 @@ class Outage(Exchange):
 
 
 def test_a_worker_waiting_for_a_mean_rides_out_an_outage():
-    cfg = BLOCKING.model_copy(update={"outage_s": 30.0, "poll_max_s": 0.05,
-                                      "poll_interval_s": 0.01})
+    cfg = BLOCKING.changed(liveness={"outage_s": 30.0, "poll_max_s": 0.05, "poll_interval_s": 0.01})
     _, ex = make_run(cfg)
     flaky = Outage(ex, seconds=1.0)
     inflight = InFlight(flaky, "w0", 1, cfg, lambda s: None)
@@ -296,7 +297,7 @@ def test_outlast_gives_up_after_its_patience_and_when_told_to_stop():
 
 
 def test_a_stalled_round_is_reported_with_who_is_missing():
-    cfg = BLOCKING.model_copy(update={"stall_after_s": 0.2, "deadline_s": 600.0})
+    cfg = BLOCKING.changed(liveness={"stall_after_s": 0.2}, membership={"deadline_s": 600.0})
     _, ex = make_run(cfg)
     reports: list[list[Stall]] = []
     agg = Aggregator(open_run(ex.store), on_stall=reports.append)
@@ -325,8 +326,8 @@ def test_a_dead_worker_costs_one_deadline_then_rounds_go_on_without_it():
     """Default quorum (half the workers): round 0 is reduced without the silent w1
     once the deadline passes; w1 is then absent, and later rounds do not wait for
     it beyond ``absent_deadline_s``; when it sends again in time it counts again."""
-    cfg = BLOCKING.model_copy(update={"deadline_s": 0.2, "absent_deadline_s": 0.0})
-    assert cfg.quorum == 0.5
+    cfg = BLOCKING.changed(membership={"deadline_s": 0.2, "absent_deadline_s": 0.0})
+    assert cfg.membership.quorum == 0.5
     _, ex = make_run(cfg, steps=6)
     agg = Aggregator(open_run(ex.store))
     ex.publish_delta(0, 0, "w0", vec(ex, 0.1), tokens=10)
@@ -367,7 +368,7 @@ def test_diloco_status_shows_a_stall(tmp_path, monkeypatch):
 def test_a_worker_waiting_long_for_a_mean_says_so():
     """With no aggregator, a merge's wait is reported every ``stall_after_s`` (the
     worker's status shows it) instead of waiting silently."""
-    cfg = BLOCKING.model_copy(update={"stall_after_s": 0.3})
+    cfg = BLOCKING.changed(liveness={"stall_after_s": 0.3})
     _, ex = make_run(cfg)
     told: list[tuple[int, int, float]] = []
     stop = threading.Event()
@@ -390,7 +391,7 @@ def test_a_checkpoint_write_that_fails_once_does_not_step_the_round_twice(monkey
     import diloco.aggregator as aggregator_module  # noqa: PLC0415
     from storage.errors import TransientStoreError  # noqa: PLC0415
 
-    cfg = BLOCKING.model_copy(update={"codec_down": "int8", "error_feedback": True})
+    cfg = BLOCKING.changed(codec={"down": "int8", "feedback_down": True})
     states = []
     for fail in (False, True):
         _, ex = make_run(cfg, steps=4)
@@ -441,7 +442,7 @@ def test_the_audit_counts_a_late_contribution_as_late():
     check that needs no slow elastic run."""
     from diloco.audit import audit  # noqa: PLC0415
 
-    _, ex = make_run(BLOCKING.model_copy(update={"grace_s": 0.0, "late": "fold"}), steps=4)
+    _, ex = make_run(BLOCKING.changed(membership={"grace_s": 0.0, "late": "fold"}), steps=4)
     agg = Aggregator(open_run(ex.store),
                      hold_back=lambda p, r, w: (r, w) == (0, "w1"))
     for r in range(2):
@@ -457,7 +458,7 @@ def test_the_audit_counts_a_late_contribution_as_late():
 def test_a_contribution_exactly_at_the_norm_guard_is_used():
     """The guard rejects norms above the limit, not at it: with powers of two the norm
     of 2**-4 values equals 8 x the median norm of 2**-7 values exactly."""
-    cfg = BLOCKING.model_copy(update={"norm_guard": 8.0, "norm_guard_warmup": 1})
+    cfg = BLOCKING.changed(guard={"ratio": 8.0, "warmup": 1})
     _, ex = make_run(cfg, steps=4)
     agg = Aggregator(open_run(ex.store))
     for w in ("w0", "w1"):
@@ -520,8 +521,8 @@ def test_a_late_contribution_is_dropped_by_default():
     the audit counts it dropped, not lost."""
     from diloco.audit import audit  # noqa: PLC0415
 
-    _, ex = make_run(BLOCKING.model_copy(update={"grace_s": 0.0}), steps=4)
-    assert ex.manifest.sync.get("late", "drop") == "drop"
+    _, ex = make_run(BLOCKING.changed(membership={"grace_s": 0.0}), steps=4)
+    assert ex.manifest.sync["membership"]["late"] == "drop"
     agg = Aggregator(open_run(ex.store),
                      hold_back=lambda p, r, w: (r, w) == (0, "w1"))
     for r in range(2):

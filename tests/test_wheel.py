@@ -111,7 +111,7 @@ def test_diloco_run_tiny_from_an_unrelated_directory(venv, tmp_path):
     config = json.loads((run / "run.json").read_text())["config"]
     # tiny.yaml's own values (the defaults differ: threads 0, codecs none), under SHORT's
     assert config["name"] == "tiny" and config["train"]["threads"] == 1
-    assert (config["sync"]["codec_up"], config["sync"]["codec_down"]) == ("int4", "int8")
+    assert (config["sync"]["codec"]["up"], config["sync"]["codec"]["down"]) == ("int4", "int8")
     assert config["train"]["steps"] == 24
     status = json.loads((run / "members" / "aggregator" / "status.json").read_text())
     assert status["state"] == "finished" and status["rounds"] == status["total_rounds"]

@@ -35,9 +35,9 @@ MICRO = [
     "train.eval_batches=2",
     "train.log_every=1",
     "train.threads=1",
-    "sync.sync_every=8",
-    "sync.fragments=2",
-    "sync.overlap=1",
+    "sync.schedule.sync_every=8",
+    "sync.schedule.fragments=2",
+    "sync.schedule.overlap=1",
 ]
 
 _DATASET = f"memory://datasets/shakespeare-{uuid.uuid4().hex[:8]}"
@@ -132,7 +132,7 @@ def test_resume_is_exact(dataset):
     """A worker stopped by SIGTERM resumes from the checkpoint it saved; one that
     crashed resumes from its last periodic checkpoint and replays. Both give the
     losses of an uninterrupted run (CPU, same seed) to 1e-6."""
-    cfg = config(dataset, "train.steps=30", "train.checkpoint_every=10", "sync.quorum=1.0")
+    cfg = config(dataset, "train.steps=30", "train.checkpoint_every=10", "sync.membership.quorum=1.0")
     plain = Run(cfg)
     plain_results = plain.train()
     broken = Run(cfg)

@@ -157,7 +157,7 @@ def resolve_runs(client: Any, specs: list[str]) -> list[Any]:
 # -- rows ---------------------------------------------------------------------------------
 
 # params the other columns show already
-SHOWN = frozenset({"train.strategy", "sync.mode"})
+SHOWN = frozenset({"train.strategy", "sync.schedule.mode"})
 
 
 def differing_config(curves: list[RunCurves]) -> list[str]:

@@ -97,7 +97,7 @@ class RunCurves:
 
     @property
     def mode(self) -> str:
-        return self.tags.get("diloco.mode") or self.params.get("sync.mode", "")
+        return self.tags.get("diloco.mode") or self.params.get("sync.schedule.mode", "")
 
     @property
     def data_parallel(self) -> bool:

@@ -131,7 +131,7 @@ def clip(text: str, limit: int) -> str:
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested config -> ``{"sync.sync_every": "30", "workers": '["a", "b"]', ...}``."""
+    """Nested config -> ``{"sync.schedule.sync_every": "30", "workers": '["a", "b"]', ...}``."""
     out: dict[str, str] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
@@ -206,8 +206,8 @@ def schedule_of(config: dict[str, Any]) -> dict[str, int] | None:
         sync = SyncConfig(**(config.get("sync") or {}))
         data, optim = config.get("data") or {}, config.get("optim") or {}
         return {
-            "sync_every": sync.sync_every, "fragments": sync.fragments,
-            "overlap": sync.send_offset,
+            "sync_every": sync.schedule.sync_every, "fragments": sync.schedule.fragments,
+            "overlap": sync.schedule.send_offset,
             "total_steps": int((config.get("train") or {}).get("steps", 0)),
             "tokens_per_step": int(data.get("batch_size", 0)) * int(data.get("seq_len", 0))
             * int(optim.get("grad_accum", 1)),

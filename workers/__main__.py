@@ -165,7 +165,7 @@ def _aggregate(args: argparse.Namespace, opts: dict | None) -> int:
 
     from workers.config import RunConfig  # noqa: PLC0415
 
-    cfg = RunConfig.model_validate(ex.manifest.config)
+    cfg = RunConfig.stored(ex.manifest.config)
     agg = Aggregator(ex, on_round=on_round, keep_checkpoints=cfg.train.keep_checkpoints,
                      slots=cfg.data.slot_count(len(ex.manifest.workers)))
     stats = agg.run(stop)

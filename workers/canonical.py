@@ -23,7 +23,7 @@ class CanonicalEval:
     canonical checkpoints shard 0 assembles from the K parts (`at`)."""
 
     def __init__(self, exchange: Exchange, run_url: str, storage_options: dict | None):
-        cfg = RunConfig.model_validate(exchange.manifest.config)
+        cfg = RunConfig.stored(exchange.manifest.config)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)

@@ -4,13 +4,14 @@ One pydantic tree: ``model`` (a preset name plus overrides), ``data``, ``optim``
 ``train``, ``sync`` (the synchroniser's SyncConfig) and the run's ``workers`` and
 ``store``. Every field has a default that works for the tiny local run; every
 error names the field, the file and what is allowed. ``--set key=value`` overrides
-use dotted paths (``sync.sync_every=20``, ``model.n_layers=2``).
+use dotted paths (``sync.schedule.sync_every=20``, ``model.n_layers=2``).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import warnings
 from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -24,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from diloco.config import SyncConfig
+from diloco.config import DeprecatedKey, SyncConfig, nest_flat_keys
 from storage import layout
 from storage.backends import open_backend, refuse_credentials, safe_url
 from workers.hf_config import from_hf_config
@@ -276,6 +277,14 @@ class RunConfig(_Strict):
             )
         return self
 
+    @classmethod
+    def stored(cls, data: dict[str, Any]) -> RunConfig:
+        """The config stored in a run manifest, whatever version wrote it: an old run's
+        flat ``sync`` keys are read without the deprecation warning a recipe gets."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecatedKey)
+            return cls.model_validate(data)
+
     @property
     def model_config_resolved(self) -> ModelConfig:
         return self.model.resolve()
@@ -346,7 +355,8 @@ def _blamed(recipe: dict[str, Any], overrides: list[str], where: str) -> str:
     for item in [None, *overrides]:
         if item is not None:
             key, value = parse_override(item)
-            _set_dotted(tree, key, value)
+            for nested, v in _nested_override(key, value, tree):
+                _set_dotted(tree, nested, v)
         try:
             RunConfig.model_validate(tree)
             blamed = None
@@ -375,11 +385,45 @@ def load_config(
 ) -> RunConfig:
     """Load a recipe (path, recipe name, dict, or None for the defaults) and apply
     ``key=value`` overrides. Raises ConfigError naming the file and the field."""
+    where, recipe, tree = _read_tree(source, overrides)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", DeprecatedKey)
+            cfg = RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecatedKey)
+            where = _blamed(recipe, overrides or [], where)
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"  {loc}: {msg}")
+        if len(lines) == 1:  # one line, as every error the command prints
+            raise ConfigError(f"{where}: invalid configuration: {lines[0].strip()}") from None
+        raise ConfigError(f"{where}: invalid configuration\n" + "\n".join(lines)) from None
+    for note in dict.fromkeys(str(w.message) for w in caught
+                              if issubclass(w.category, DeprecatedKey)):
+        warnings.warn(f"{where}: {note}", DeprecatedKey, stacklevel=2)
+    return cfg
+
+
+def config_tree(source: str | Path | dict[str, Any] | None = None,
+                overrides: list[str] | None = None) -> dict[str, Any]:
+    """The recipe with its overrides as written, before validation: what a tool that
+    changes fields further (``diloco estimate``'s flags) starts from, so that the
+    defaults depending on those fields are resolved after its changes."""
+    return _read_tree(source, overrides)[2]
+
+
+def _read_tree(source: str | Path | dict[str, Any] | None, overrides: list[str] | None
+               ) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(where the config comes from, the recipe as read, the recipe with overrides)."""
     where = "defaults"
     if source is None:
         tree: dict[str, Any] = {}
     elif isinstance(source, dict):
-        tree, where = dict(source), "the given config"
+        tree, where = copy.deepcopy(source), "the given config"
     else:
         path = resolve_recipe(source)
         where = str(path)
@@ -391,17 +435,28 @@ def load_config(
             raise ConfigError(f"{where}: the top level must be a mapping of sections")
     recipe = copy.deepcopy(tree)
     for item in overrides or []:
-        key, value = parse_override(item)
-        _set_dotted(tree, key, value)
+        for key, value in _nested_override(*parse_override(item), tree):
+            _set_dotted(tree, key, value)
+    return where, recipe, tree
+
+
+def _nested_override(key: str, value: Any, tree: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``--set sync.<flat key>=v`` of earlier versions as the nested key(s) it sets,
+    with one `DeprecatedKey` line: an override wins over the recipe's nested value,
+    as any override does."""
+    parts = key.split(".")
+    if len(parts) != 2 or parts[0] != "sync":
+        return [(key, value)]
+    flat = {parts[1]: value}
+    if parts[1] == "sparse_density":  # k = density x the chunk in force
+        codec = (tree.get("sync") or {}).get("codec") or {}
+        flat["sparse_chunk"] = codec.get("chunk", 4096)
     try:
-        return RunConfig.model_validate(tree)
-    except ValidationError as exc:
-        where = _blamed(recipe, overrides or [], where)
-        lines = []
-        for err in exc.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-            msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"  {loc}: {msg}")
-        if len(lines) == 1:  # one line, as every error the command prints
-            raise ConfigError(f"{where}: invalid configuration: {lines[0].strip()}") from None
-        raise ConfigError(f"{where}: invalid configuration\n" + "\n".join(lines)) from None
+        nested, notes = nest_flat_keys(flat)
+    except ValueError as exc:
+        raise ConfigError(f"--set {key}: {exc}") from None
+    for note in notes:
+        if not note.startswith("sync.sparse_chunk"):
+            warnings.warn(f"--set {note}", DeprecatedKey, stacklevel=4)
+    return [(f"sync.{section}.{field}", v) for section, fields in nested.items()
+            if isinstance(fields, dict) for field, v in fields.items()] or [(key, value)]

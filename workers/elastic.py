@@ -115,8 +115,8 @@ def catch_up(loop: WorkerLoop, *, fresh: bool, reason: str) -> bool:
         return False
     loop._status("joining", force=True, note=reason)
     front = outlast(lambda: frontier(loop.exchange, loop.cfg.sync, stop=loop.stop.is_set,
-                                     timeout_s=loop.cfg.sync.outage_s),
-                    patience_s=loop.cfg.sync.outage_s, log=log, stop=loop.stop.is_set,
+                                     timeout_s=loop.cfg.sync.liveness.outage_s),
+                    patience_s=loop.cfg.sync.liveness.outage_s, log=log, stop=loop.stop.is_set,
                     what=f"worker {loop.worker}: read the run's canonical state", pause_s=2.0)
     if front.step >= loop.cfg.train.steps:
         raise RunFinished(
@@ -152,7 +152,7 @@ def behind(loop: WorkerLoop) -> bool:
                 return True
         return False
 
-    return outlast(check, patience_s=loop.cfg.sync.outage_s, log=log, pause_s=2.0,
+    return outlast(check, patience_s=loop.cfg.sync.liveness.outage_s, log=log, pause_s=2.0,
                    what=f"worker {loop.worker}: read where the run is", stop=loop.stop.is_set)
 
 

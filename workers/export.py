@@ -45,7 +45,7 @@ class Canonical:
 def canonical_model(exchange: Exchange, rounds: int | None = None) -> Canonical:
     """The canonical model of the run after ``rounds`` rounds of every fragment
     (``None``: the newest such round). ValueError names the rounds there are."""
-    cfg = RunConfig.model_validate(exchange.manifest.config)
+    cfg = RunConfig.stored(exchange.manifest.config)
     model = build_model(cfg.model_config_resolved, seed=cfg.train.seed)
     plan = plan_for(model, cfg.sync)
     sizes = [f.numel for f in exchange.manifest.fragments]
@@ -65,7 +65,7 @@ def run_tokenizer(exchange: Exchange, storage_options: dict | None = None
                   ) -> tuple[Tokenizer, bytes | None]:
     """The run's tokenizer, and its ``tokenizer.json`` bytes when it is a file (read
     from the run's dataset, so any machine that reaches the store has it)."""
-    cfg = RunConfig.model_validate(exchange.manifest.config)
+    cfg = RunConfig.stored(exchange.manifest.config)
     dataset = open_dataset(cfg.dataset_url(exchange.store.url), storage_options)
     return dataset.tokenizer(storage_options), dataset.tokenizer_file(storage_options)
 

@@ -18,7 +18,7 @@ each kind of object later:
   and checkpointed. In a finished run they serve an audit only: the newest
   ``retention.contributions`` rounds per fragment keep theirs; the commit records,
   which name each payload's sha256, norm and token weight, always stay.
-  With ``sync.mean_from: peers`` the means are sums of the contributions they
+  With ``sync.codec.mean_from: peers`` the means are sums of the contributions they
   name, so those contributions are kept like means.
 - **Orphans**: a payload no commit record names (an upload that lost a race or
   was retried under a new nonce). Readers never look at them; they go once the
@@ -174,7 +174,7 @@ def plan(exchange: Exchange, *, contributions: int | Literal["all"] | None = Non
     """
     from workers.config import RunConfig  # the run's own settings, as it was created
 
-    cfg = RunConfig.model_validate(exchange.manifest.config)
+    cfg = RunConfig.stored(exchange.manifest.config)
     contributions = cfg.retention.contributions if contributions is None else contributions
     keep_canonical = cfg.train.keep_checkpoints if keep_canonical is None else keep_canonical
     keep_worker = cfg.retention.worker_checkpoints if keep_worker is None else keep_worker

@@ -145,10 +145,10 @@ class WorkerLoop:
                                       name=f"{worker}-checkpoints")
         self.exchange = open_run(self.store)
         manifest = self.exchange.manifest
-        self.cfg = RunConfig.model_validate(manifest.config)
+        self.cfg = RunConfig.stored(manifest.config)
         self.status = StatusBoard(
             ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-status"),
-            worker, background=True, renew_s=max(0.5, self.cfg.sync.lease_s / 4))
+            worker, background=True, renew_s=max(0.5, self.cfg.sync.liveness.lease_s / 4))
         self.meter = report.party_meter(self.cfg, worker, [self.store, self.ckpt_store], self.status)
         self.moved_before = report.moved_before(self.status)  # a restart's bytes add on
         self.worker = worker
@@ -190,7 +190,7 @@ class WorkerLoop:
         # train.island fsdp: the model is sharded over the island's ranks from here on
         self.island = make_island(self.model, self.plan, self.exchange,
                                   self.cfg.train.island if self._uses_sync() else "replicate",
-                                  self.group.rank, self.group.size, self.cfg.sync.auto_overlap)
+                                  self.group.rank, self.group.size, self.cfg.sync.schedule.auto)
 
         b, size = self.seat.batch_size, self.group.size
         dp = self.cfg.train.strategy == "data_parallel"
@@ -213,8 +213,7 @@ class WorkerLoop:
         self.val = val_batches(self.dataset, seq_len=self.cfg.data.seq_len, batch_size=b,
                                num_batches=self.cfg.train.eval_batches)
         self.opt = make_optimizer(self.model, self.cfg)
-        self.schedule = Schedule(self.cfg.sync.sync_every, self.cfg.sync.fragments,
-                                 self.cfg.sync.send_offset)
+        self.schedule = Schedule.of(self.cfg.sync.schedule)
         self.resumed_from: int | None = None
         self._restore()
 
@@ -281,10 +280,10 @@ class WorkerLoop:
             "sync": self.sync.state_dict(copy=False) if self.sync is not None else None,
         }
         # a checkpoint write is safe to repeat (create-only commit): an outage of the
-        # store is ridden out for up to sync.outage_s rather than killing the worker
+        # store is ridden out for up to sync.liveness.outage_s rather than killing the worker
         keep = self.cfg.retention.worker_checkpoints
         outlast(lambda: checkpoint.save(self.ckpt_store, self.worker, self.step, state, keep),
-                patience_s=self.cfg.sync.outage_s, log=log, pause_s=2.0,
+                patience_s=self.cfg.sync.liveness.outage_s, log=log, pause_s=2.0,
                 what=f"worker {self.worker}: checkpoint at step {self.step}")
         log.info("worker %s: checkpoint at step %d", self.worker, self.step)
 
@@ -292,14 +291,14 @@ class WorkerLoop:
         """Every rank of a sharded island: its shards of the model and AdamW state into
         a fresh directory rank 0 names (None, and nothing written, when this step's
         checkpoint is committed already: a stop right after a periodic save). A store
-        outage is ridden out for up to ``sync.outage_s``; a failed write raises on
+        outage is ridden out for up to ``sync.liveness.outage_s``; a failed write raises on
         every rank and the newest committed checkpoint stays in force."""
         def new_key() -> str | None:
             if checkpoint.exists(self.ckpt_store, self.worker, self.step):
                 return None
             return checkpoint.shards_key(self.worker, self.step)
         return self.island.outlast_save(self.opt, self.ckpt_store, new_key,
-                                        patience_s=self.cfg.sync.outage_s)
+                                        patience_s=self.cfg.sync.liveness.outage_s)
 
     # -- the loop ------------------------------------------------------------------
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:

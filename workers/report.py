@@ -46,7 +46,7 @@ def taus(sync: Any, *, metrics: bool = False) -> dict[str, Any]:
     """``overlap: auto``: the tau in force per fragment (the newest decided), so a
     run shows what each worker chose: ``tau`` (a list) in its status, ``tau/f<p>``
     in its metric reports (MLflow). Nothing for a fixed tau (the config says it)."""
-    if sync is None or not sync.config.auto_overlap:
+    if sync is None or not sync.config.schedule.auto:
         return {}
     taus = sync.overlaps
     return {f"tau/f{p}": t for p, t in enumerate(taus)} if metrics else {"tau": taus}

@@ -121,7 +121,7 @@ def create_run(
         parent = open_run(init_from, storage_options, retry=REACH_POLICY)
         # the parent's own fragments (its P, or whole tensors for a run from before
         # fragments could split them), which the continuation may change
-        parent_sync = RunConfig.model_validate(parent.manifest.config).sync
+        parent_sync = RunConfig.stored(parent.manifest.config).sync
         applied = load_canonical(parent, plan_for(model, parent_sync), model)
         log.info("starting from the canonical model of %s (rounds per fragment: %s)",
                  init_from, applied)
@@ -173,8 +173,10 @@ def continuation(parent_url: str, overrides: list[str] | None = None,
     """The config of a run continuing ``parent_url``: its config, the overrides,
     ``train.steps = extra_steps``, its dataset, and a new data seed."""
     parent = open_run(parent_url, storage_options, retry=REACH_POLICY)
-    tree = dict(parent.manifest.config)
-    cfg_parent = RunConfig.model_validate(tree)
+    # the parent's values in force (an old run's flat sync keys nested), so an
+    # override names the new keys; dependent defaults are the parent's, not redone
+    cfg_parent = RunConfig.stored(parent.manifest.config)
+    tree = cfg_parent.model_dump(mode="json")
     items = list(overrides or [])
     if extra_steps is not None:
         items.append(f"train.steps={int(extra_steps)}")

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 CACHE_BYTES = 64 << 20
 #: A block read that fails with a transient error (5xx, throttling, a dropped
 #: connection) is retried for this long, as the exchange rides out a store outage
-#: (``sync.outage_s``'s default); a missing shard or a denied read fails at once.
+#: (``sync.liveness.outage_s``'s default); a missing shard or a denied read fails at once.
 PATIENCE_S = 900.0
 #: The longest pause between two attempts.
 MAX_PAUSE_S = 5.0
