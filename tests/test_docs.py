@@ -149,3 +149,11 @@ def test_the_docs_build_as_a_site_with_no_broken_link(tmp_path):
                 unparsed.append(f"{page.name}: {html.unescape(block[:120])!r}")
     assert not unparsed, ("left as text by MkDocs (nest lists by 4 spaces; a blank line "
                           "before a list or table):\n" + "\n".join(unparsed))
+
+
+def test_the_configuration_reference_is_generated_from_the_config_classes():
+    """docs/configuration.md is what scripts/config_reference.py writes from RunConfig
+    and SyncConfig now: a field added, renamed or described anew shows there."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "config_reference.py"),
+                          "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr + out.stdout

@@ -46,7 +46,7 @@ class ModelSection(_Strict):
     (pretrained safetensors, HF layout) is read by ``workers.runs.create_run`` only.
     """
 
-    preset: str = "tiny"
+    preset: str = Field(default="tiny", description="the model shape to start from")
     hf_config: str | None = Field(
         default=None, description="path or URL of a Hugging Face config.json (Llama, "
         "Mistral, Qwen2); replaces the preset"
@@ -58,7 +58,7 @@ class ModelSection(_Strict):
         default=None, description="pretrained weights to start from: a .safetensors file "
         "or a directory/URL with model.safetensors[.index.json]"
     )
-    overrides: dict[str, Any] = Field(default_factory=dict)
+    overrides: dict[str, Any] = Field(default_factory=dict, description="fields of the shape that replace the preset's or the config.json's")
 
     @field_validator("hf_config", "init_from")
     @classmethod
@@ -138,9 +138,9 @@ class DataConfig(_Strict):
         description="the text or token column of Parquet/Arrow sources; unset: 'text', "
                     "else the first of input_ids, tokens, ids",
     )
-    val_fraction: float = Field(default=0.01, gt=0.0, lt=0.5)
-    split: Literal["even", "by_file"] = "even"
-    seq_len: int = Field(default=128, ge=2)
+    val_fraction: float = Field(default=0.01, gt=0.0, lt=0.5, description="share of every source file's tokens (its last) held out for validation")
+    split: Literal["even", "by_file"] = Field(default="even", description="even: each worker an equal range of the same mix of files; by_file: file i to worker i mod W (non-i.i.d.)")
+    seq_len: int = Field(default=128, ge=2, description="tokens per sequence (at most the model's max_seq_len)")
     batch_size: int = Field(default=16, ge=1, description="sequences per inner step per worker")
     worker_batch_size: dict[str, int] = Field(
         default_factory=dict,
@@ -180,12 +180,12 @@ class DataConfig(_Strict):
 class OptimConfig(_Strict):
     """The inner optimizer: AdamW with linear warmup then cosine decay."""
 
-    lr: float = Field(default=3e-3, gt=0.0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = Field(default=0.1, ge=0.0)
-    eps: float = Field(default=1e-8, gt=0.0)
-    warmup_steps: int = Field(default=50, ge=0)
-    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    lr: float = Field(default=3e-3, gt=0.0, description="peak inner learning rate, reached after warmup_steps")
+    betas: tuple[float, float] = Field(default=(0.9, 0.95), description="AdamW's beta1, beta2")
+    weight_decay: float = Field(default=0.1, ge=0.0, description="AdamW's decoupled weight decay")
+    eps: float = Field(default=1e-8, gt=0.0, description="AdamW's epsilon")
+    warmup_steps: int = Field(default=50, ge=0, description="inner steps of linear warmup from 0 to lr")
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0, description="the cosine decay ends at min_lr_ratio * lr at the last step")
     grad_clip: float = Field(default=1.0, ge=0.0, description="0 disables clipping")
     grad_accum: int = Field(default=1, ge=1, description="micro-batches per inner step")
 
@@ -195,11 +195,11 @@ class TrainConfig(_Strict):
 
     steps: int = Field(default=600, ge=1, description="inner steps per worker")
     eval_every: int = Field(default=100, ge=0, description="0: only at the end")
-    eval_batches: int = Field(default=8, ge=1)
+    eval_batches: int = Field(default=8, ge=1, description="validation batches (of batch_size sequences) per evaluation")
     checkpoint_every: int = Field(default=100, ge=0, description="0: only on SIGTERM")
-    log_every: int = Field(default=10, ge=1)
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_every: int = Field(default=10, ge=1, description="inner steps between two reports of loss and throughput")
+    seed: int = Field(default=0, description="seed of the model's initialisation and of the batches drawn")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when available, else cpu")
     strategy: Literal["diloco", "data_parallel"] = Field(
         default="diloco",
         description="data_parallel: the baseline, gradients all-reduced every step",
@@ -226,9 +226,9 @@ class TrainConfig(_Strict):
 class RunConfig(_Strict):
     """Everything a run needs; stored whole in the run manifest."""
 
-    name: str = "tiny"
+    name: str = Field(default="tiny", description="the run's name: its URL is <store>/<name>-<time>")
     store: str = Field(default="runs", description="root URL under which runs are created")
-    workers: list[str] = Field(default_factory=lambda: ["region-a", "region-b"])
+    workers: list[str] = Field(default_factory=lambda: ["region-a", "region-b"], description="the workers the run starts with, by name (a region)")
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
