@@ -1,7 +1,9 @@
 """Checkpoints: named numpy arrays plus metadata, committed once.
 
-Used for the canonical state after each fragment round (``global/frag/{p}/r...``),
-for the initial canonical parameters, and for worker checkpoints. Arrays are stored
+Used for the canonical state after each fragment round (``global/frag/{p}/r...``)
+and for the initial canonical parameters; worker checkpoints are
+torch.distributed.checkpoint (workers/checkpoint.py), which reads this format only for
+runs written before. Arrays are stored
 losslessly as zarr arrays; a create-only commit record names them, so a checkpoint
 either exists whole and verified or does not exist at all.
 """

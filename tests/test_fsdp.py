@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from test_distributed import MICRO, losses, torchrun
+from test_worker_checkpoints import same
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from diloco.aggregator import Aggregator
 from diloco.run import open_run
 from storage.objectstore import ObjectStore
-from workers import checkpoint
+from workers import checkpoint, checkpoint_files
 from workers.config import load_config
 from workers.data.prepare import prepare_data
 from workers.group_exit import exit_after_group
@@ -78,13 +79,15 @@ def test_fsdp_island_trains_as_the_replicated_island(tmp_path, data_url, sync):
     assert rep_losses[-1] < rep_losses[0] - 1.0
     # the sharded checkpoint holds the whole model; AdamW divides by sqrt(v), so a few
     # elements with near-zero second moments drift most from float-order differences
-    assert rep_state["shards"] is None and fsdp_state["model"] is None  # the ranks' shards
-    whole = checkpoint.read_shards(ObjectStore(str(tmp_path / "fsdp")), fsdp_state["shards"])
+    ranks = {name: checkpoint.latest(ObjectStore(str(tmp_path / name)), "solo").dcp["ranks"]
+             for name in ("rep", "fsdp")}
+    assert ranks == {"rep": 1, "fsdp": 2}  # the fsdp island's ranks wrote their shards
     names = sorted(rep_state["model"])
     a = torch.cat([rep_state["model"][n].flatten() for n in names])
-    b = torch.cat([whole["model"][n].flatten() for n in names])
+    b = torch.cat([fsdp_state["model"][n].flatten() for n in names])
     assert (b - a).norm() / a.norm() < 1e-3  # measured 1.1e-4
-    assert set(whole["optimizer"]["state"]) == set(names)  # AdamW state per parameter
+    assert set(fsdp_state["optimizer"]["state"]) == set(names)  # AdamW state per parameter
+    assert fsdp_state["tokens"] == rep_state["tokens"]  # rank 0's rest of the state
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
@@ -127,7 +130,7 @@ class _FailingWriter:
 
 def _failing_on_rank_1(rank: int, errors: list[BaseException]):
     """Rank 1's next ``len(errors)`` shard writers fail with these errors, in order."""
-    writer = checkpoint.shards_writer
+    writer = checkpoint_files.new_writer
 
     def make(*args):
         inner = writer(*args)
@@ -144,41 +147,41 @@ def _resume_rank(rank: int, out: str) -> None:
         island, opt = _island(seed=0)
         _train(island.model, opt, range(3))
         model_sd, opt_sd = island.whole_state(opt)
-        writer, keys = checkpoint.shards_writer, []
+        writer, keys = checkpoint_files.new_writer, []
 
         def new_key():
-            keys.append(checkpoint.shards_key("solo", 3))
+            keys.append(checkpoint.dcp_key("solo", 3))
             return keys[-1]
         try:  # rank 1's store drops a connection once: every rank writes again, elsewhere
-            checkpoint.shards_writer = _failing_on_rank_1(rank, [ConnectionResetError()])
+            checkpoint_files.new_writer = _failing_on_rank_1(rank, [ConnectionResetError()])
             ref = island.outlast_save(opt, store, new_key, patience_s=60, pause_s=0)
             # denied: no retry, every rank raises (none waits for ever), nothing commits
-            checkpoint.shards_writer = _failing_on_rank_1(rank, [PermissionError("denied")])
+            checkpoint_files.new_writer = _failing_on_rank_1(rank, [PermissionError("denied")])
             try:
                 island.outlast_save(opt, store, new_key, patience_s=60, pause_s=0)
                 raise AssertionError("a save with a failing rank returned")
             except CheckpointException as exc:
                 assert isinstance(exc.failures[1][0], PermissionError)
             # an outage past the patience: rank 0 gives up at once, every rank raises
-            checkpoint.shards_writer = _failing_on_rank_1(rank, [ConnectionResetError()])
+            checkpoint_files.new_writer = _failing_on_rank_1(rank, [ConnectionResetError()])
             try:
                 island.outlast_save(opt, store, new_key, patience_s=0, pause_s=0)
                 raise AssertionError("a save past its patience returned")
             except CheckpointException as exc:
                 assert isinstance(exc.failures[1][0], ConnectionResetError)
         finally:
-            checkpoint.shards_writer = writer
+            checkpoint_files.new_writer = writer
         if rank == 0:
             assert len(keys) == 4 and ref["key"] == keys[1]  # the retry wrote a fresh one
             torch.save((model_sd, opt_sd, ref), f"{out}/ckpt.pt")
         torch.distributed.barrier()
         _train(island.model, opt, range(3, 6))
         # new islands (other initial weights) from the checkpoint of step 3: the whole
-        # state (as older checkpoints hold it) and the shards
+        # state (as legacy checkpoints hold it) and the shards
         whole, opt2 = _island(seed=1)
-        whole.load_state(opt2, *torch.load(f"{out}/ckpt.pt", weights_only=False)[:2])
+        whole.load_whole(opt2, *torch.load(f"{out}/ckpt.pt", weights_only=False)[:2])
         sharded, opt3 = _island(seed=2)
-        sharded.load_shards(opt3, store, ref)
+        sharded.load_state(opt3, store, ref)
         finals = []
         for isl, o in ((island, opt), (whole, opt2), (sharded, opt3)):
             if isl is not island:
@@ -192,22 +195,6 @@ def _resume_rank(rank: int, out: str) -> None:
     exit_after_group(0)  # as an island's rank leaves: no teardown race (SIGABRT) after success
 
 
-def _equal(a, b, where: str = "") -> None:
-    """Nested state dicts hold the same bits."""
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 def test_fsdp_island_resumes_from_its_checkpoint_exactly(tmp_path):
     """Sharded checkpoint (each rank writes its shards of model and AdamW state with
     DCP) and the older whole state, each loaded into a fresh sharded island: three
@@ -215,29 +202,20 @@ def test_fsdp_island_resumes_from_its_checkpoint_exactly(tmp_path):
     into one process, bit for bit the state they were saved from."""
     torch.multiprocessing.spawn(_resume_rank, args=(str(tmp_path),), nprocs=2)
     straight, from_whole, from_shards = torch.load(tmp_path / "final.pt", weights_only=False)
-    _equal(from_whole, straight)
-    _equal(from_shards, straight)
+    same(from_whole, straight)
+    same(from_shards, straight)
 
     model_sd, opt_sd, ref = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     store = ObjectStore(str(tmp_path / "store"))
     files = sorted(k.rsplit("/", 1)[-1] for k in store.list(ref["key"]))
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file per rank
+    assert sorted(ref["files"]) == files  # each rank has every rank's sizes and sha256
     assert ref["bytes"] == sum(store.size(f"{ref['key']}/{f}") for f in files)
     from workers.island import Island  # noqa: PLC0415
     from workers.model import ModelConfig, build_model  # noqa: PLC0415
     model = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2,
                                     max_seq_len=16), seed=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    Island(model, None, 0, 1).load_shards(opt, store, ref)  # no process group
-    _equal(get_state_dict(model, opt), (model_sd, opt_sd))
+    Island(model, None, 0, 1).load_state(opt, store, ref)  # no process group
+    same(get_state_dict(model, opt), (model_sd, opt_sd))
 
-
-def test_a_checkpoint_in_an_unknown_format_is_refused_in_one_line(tmp_path):
-    from workers.island import Island  # noqa: PLC0415
-    from workers.model import ModelConfig, build_model  # noqa: PLC0415
-    model = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2,
-                                    max_seq_len=16), seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    with pytest.raises(ValueError, match=r"^checkpoint shards: format 'zarr' is not "):
-        Island(model, None, 0, 1).load_shards(opt, ObjectStore(str(tmp_path)),
-                                              {"format": "zarr", "key": "x"})

@@ -1,5 +1,5 @@
 """`Island.outlast_save`'s retries (an `OutagePolicy`), on one process with a stand-in
-for `save_shards`: a fresh directory per attempt, rank 0's log line, giving up with the
+for `save_state`: a fresh directory per attempt, rank 0's log line, giving up with the
 last failure once the patience is spent, no retry of what a retry cannot fix. The
 collective side (every rank retries or every rank raises) runs in tests/test_fsdp.py,
 two processes under gloo."""
@@ -23,12 +23,12 @@ def _failed(rank: int, error: BaseException) -> CheckpointException:
 
 
 class _Saves:
-    """Stands in for `Island.save_shards`: fails with ``errors`` in turn, then writes."""
+    """Stands in for `Island.save_state`: fails with ``errors`` in turn, then writes."""
 
     def __init__(self, *errors: BaseException):
         self.errors, self.keys = list(errors), []
 
-    def __call__(self, opt, store, key: str) -> dict:
+    def __call__(self, opt, store, key: str, extra=None) -> dict:
         self.keys.append(key)
         if self.errors:
             raise self.errors.pop(0)
@@ -37,7 +37,7 @@ class _Saves:
 
 def _island(saves: _Saves) -> Island:
     island = Island(nn.Linear(1, 1), plan=None, rank=0, size=1)
-    island.save_shards = saves  # type: ignore[method-assign]
+    island.save_state = saves  # type: ignore[method-assign]
     return island
 
 

@@ -5,8 +5,8 @@ The project writes chunks and decodes coded vectors without zarr's codec pipelin
 (storage/arrays.py says why); these tests hold that fast path to zarr. A small
 run is written through the normal writers (`Exchange.publish_delta` and
 `publish_mean`, the shards' `publish_part`, `write_checkpoint` for the canonical
-state and its initial value, `workers.checkpoint.save`, `write_array` for lossless
-arrays of other dtypes and shapes) into a local directory and into memory://, and
+state and its initial value, `write_array` for lossless arrays of other dtypes and
+shapes; worker checkpoints are torch.distributed.checkpoint, not zarr) into a local directory and into memory://, and
 each array is opened with a plain ``zarr.open_array(store=..., mode="r")`` after
 ``import storage.zarr_codec`` (which registers the project's codec), through
 zarr's LocalStore, its FsspecStore and an fsspec mapper: the values must equal the
@@ -174,26 +174,6 @@ def test_canonical_checkpoints_and_lossless_arrays_open_with_zarr(where):
         got = arrays.read_array(store, key, record, shape=value.shape, dtype=value.dtype)
         assert same(got, value)
         assert_zarr_reads(stores, key, got, key)
-
-
-def test_worker_checkpoints_open_with_zarr(where):
-    """A worker checkpoint's tensors (bf16 and float8 kept as their bits, integer,
-    0-d, numpy) open with zarr as the checkpoint's reader reads them."""
-    torch = pytest.importorskip("torch")
-    from workers import checkpoint  # noqa: PLC0415
-
-    store, stores = where
-    state = {
-        "model": {"w": torch.randn(4, 6).to(torch.bfloat16), "b": torch.arange(5.0)},
-        "optimizer": {"step": torch.tensor(7), "q": torch.ones(3).to(torch.float8_e4m3fn)},
-        "rng": np.arange(6, dtype=np.uint32),
-        "step": 7,
-    }
-    assert checkpoint.save(store, "w0", 7, state)
-    key = f"{layout.worker_checkpoints('w0')}/{7:08d}.json"
-    assert_checkpoint_reads(store, stores, key)
-    step, loaded = checkpoint.load(store, "w0")
-    assert step == 7 and torch.equal(loaded["model"]["w"], state["model"]["w"])
 
 
 @pytest.mark.parametrize(("value", "max_chunk"), [

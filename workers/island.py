@@ -18,12 +18,12 @@ rank handling its shards' part of every fragment: that would cut every contribut
 into per-rank pieces the store, the aggregator and the codecs would all have to know
 about, while the gather is cheap (measured: docs/worker.md, "Islands").
 
-Checkpoints of a sharded island are sharded too (`save_shards`): every rank writes
-its own shards of the model and the AdamW state with torch.distributed.checkpoint
-beside the worker checkpoint rank 0 writes (outer state, synchroniser, data
-position), which names them and commits after every rank has finished
-(workers/checkpoint.py). A resume reads them back into any number of ranks, one
-process included; an older checkpoint holding the whole state still loads.
+Every island writes its checkpoint's tensors with torch.distributed.checkpoint
+(`save_state`, workers/checkpoint.py): a sharded island's ranks each their shards of
+the model and the AdamW state, rank 0 adding the rest of the worker's state (outer
+state, synchroniser, data position), which it commits after every rank has finished;
+any other island, the one process that saves, all of it. A resume reads them back
+into any number of ranks, one process included.
 """
 
 from __future__ import annotations
@@ -31,13 +31,23 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+import warnings
+from collections.abc import Callable, Generator, Iterable
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from tenacity import RetryCallState
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from diloco.fragments import FragmentPlan, find_blocks
 from diloco.inflight import MergeAbandoned
@@ -45,12 +55,7 @@ from diloco.run import load_initial
 from diloco.schedule import Schedule
 from storage.objectstore import ObjectStore
 from storage.retry import OutagePolicy, is_transient
-from workers import checkpoint
-
-if TYPE_CHECKING:  # FSDP, DTensor and DCP are imported where used: a replicated
-    # island, the usual worker, never needs them, and they cost memory in every
-    # process (docs/worker.md, "Islands")
-    from torch.distributed.checkpoint import CheckpointException
+from workers import checkpoint_files
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +71,6 @@ class Abandoned(MergeAbandoned):
 
 # What a rank wants after a step; the island does the highest any rank wants.
 GO, STOP, ABANDON = 0, 1, 2
-#: what a worker checkpoint's ``shards`` entry says its model and AdamW state are in
-SHARDS_FORMAT = "torch.distributed.checkpoint"
 
 
 class Island:
@@ -166,36 +169,55 @@ class Island:
         """Each parameter of these fragments once (a split tensor moves whole)."""
         return list(dict.fromkeys(s.name for p in fragments for s in self.plan[p].params))
 
-    def whole_state(self, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
-        """The model's and the inner optimizer's state to checkpoint."""
-        return self.model.state_dict(), opt.state_dict()
-
-    def load_state(self, opt: torch.optim.Optimizer, model_sd: dict, opt_sd: dict) -> None:
+    def load_whole(self, opt: torch.optim.Optimizer, model_sd: dict, opt_sd: dict) -> None:
+        """Restore from whole state dicts (a legacy checkpoint's)."""
         self.model.load_state_dict(model_sd)
         opt.load_state_dict(opt_sd)
 
-    #: whether this island's checkpoints hold sharded state (`save_shards`)
+    #: whether every rank writes and reads its own part of a checkpoint (a collective)
     sharded = False
 
-    def save_shards(self, opt: torch.optim.Optimizer, store: ObjectStore, key: str) -> dict:
-        """Every rank (a collective): its shards of the model and AdamW state into the
-        new directory ``key`` of ``store``; returns the worker checkpoint's ``shards``
-        entry. When it returns on rank 0 every rank's files and the ``.metadata`` are
-        written (DCP gathers the ranks' results before writing the metadata), so the
-        commit may follow; if a rank fails, every rank raises."""
-        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
-        from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415
-
+    def _state_dicts(self, opt: torch.optim.Optimizer, optimizer: bool) -> dict:
+        """The model's and ``opt``'s state as DCP saves and loads them (keyed by
+        parameter name, a sharded island's as DTensors). Before the optimizer's first
+        step it has no state and none is saved: ``get_state_dict`` would make some by
+        taking a step, and a resume would not be the uninterrupted run."""
+        if not optimizer:
+            return {"model": get_model_state_dict(self.model)}
         model_sd, opt_sd = get_state_dict(self.model, opt)
-        meta = dcp.save({"model": model_sd, "optimizer": opt_sd},
-                        storage_writer=checkpoint.shards_writer(store, key))
-        written = checkpoint.count_shards(store, key, meta) if self.leader else 0
-        return {"format": SHARDS_FORMAT, "key": key, "ranks": self.size, "bytes": written}
+        return {"model": model_sd, "optimizer": opt_sd}
+
+    def save_state(self, opt: torch.optim.Optimizer, store: ObjectStore, key: str,
+                   extra: dict[str, torch.Tensor] | None = None) -> dict:
+        """The model's and AdamW's state, with ``extra`` (the rest of the worker's
+        tensors, from the rank that commits), into the new DCP directory ``key`` of
+        ``store``; returns the commit record's ``dcp`` entry (every rank's files with
+        their sizes and sha256, on every rank). A sharded island's ranks all call it (a
+        collective: when it returns every rank's files and the ``.metadata`` are
+        written, or every rank raises); any other island's one saving process alone."""
+        state = self._state_dicts(opt, optimizer=bool(opt.state))
+        if extra:
+            state["worker"] = extra
+        writer = checkpoint_files.new_writer(store, key)
+        with _quiet():
+            dcp.save(state, storage_writer=writer, no_dist=not self.sharded)
+        files = writer.fs.written
+        if self.sharded and self.size > 1:  # each rank hashed its own file
+            every: list[dict] = [{} for _ in range(self.size)]
+            dist.all_gather_object(every, files)
+            files = {name: rec for part in every for name, rec in part.items()}
+        if self.leader:  # the bill counts them once
+            checkpoint_files.count(store, key, files)
+        return {"key": key, "ranks": self.size if self.sharded else 1,
+                "bytes": sum(rec["size"] for rec in files.values()),
+                "files": files, "optimizer": "optimizer" in state}
 
     def outlast_save(self, opt: torch.optim.Optimizer, store: ObjectStore,
-                     new_key: Callable[[], str | None], *, patience_s: float,
+                     new_key: Callable[[], str | None], *,
+                     extra: dict[str, torch.Tensor] | None = None, patience_s: float,
                      pause_s: float = 2.0) -> dict | None:
-        """Every rank: `save_shards` into the directory rank 0's ``new_key()`` names
+        """Every rank of a sharded island, else the one process that saves: `save_state`
+        (with ``extra``) into the directory rank 0's ``new_key()`` names
         (None: nothing to save; returns None), and after a transient failure of any
         rank (a store outage) again into a fresh one, pausing ``pause_s``, for up to
         ``patience_s`` from the first failure (an `OutagePolicy`, as the whole-state
@@ -207,60 +229,64 @@ class Island:
         attempt is every rank's own verdict on the same `CheckpointException` (DCP
         raises the failures of all ranks on every rank). So every rank tries again
         or every rank raises, and none is left waiting in a collective."""
-        from torch.distributed.checkpoint import CheckpointException  # noqa: PLC0415
-
         tried: list[str] = []  # the directory of each attempt
 
+        collective = self.sharded and self.size > 1  # else this process decides alone
+
         def attempt() -> dict | None:
-            box: list[str | None] = [new_key() if self.leader else None]
-            if self.size > 1:
+            box: list[str | None] = [new_key() if self.leader or not collective else None]
+            if collective:
                 dist.broadcast_object_list(box, src=0)
             if box[0] is None:
                 return None
             tried.append(box[0])
-            return self.save_shards(opt, store, box[0])
+            return self.save_state(opt, store, box[0], extra)
 
         def worth_retrying(exc: BaseException) -> bool:
             return isinstance(exc, CheckpointException) and _transient(exc)
 
         retrying = OutagePolicy(patience_s=patience_s, pause_s=pause_s).retrying(
-            retry_on=worth_retrying, what="island: checkpoint shards", log=log)
+            retry_on=worth_retrying, what="island: checkpoint files", log=log)
         spent = retrying.stop  # the policy's deadline, as rank 0's clock sees it
 
         def together(state: RetryCallState) -> bool:
-            box = [spent(state) if self.leader else None]
-            if self.size > 1:
+            box = [spent(state) if self.leader or not collective else None]
+            if collective:
                 dist.broadcast_object_list(box, src=0)
             return bool(box[0])
 
         def warn(state: RetryCallState) -> None:
-            if self.leader:
+            if self.leader or not collective:
                 exc = state.outcome.exception() if state.outcome else None
-                log.warning("island: a rank failed to write its checkpoint shards into %s "
+                log.warning("island: a rank failed to write its checkpoint files into %s "
                             "(attempt %d; retrying for up to %.0f s from the first "
                             "failure): %s", store.full_url(tried[-1]), state.attempt_number,
                             patience_s, _first_failure(exc))
 
         return retrying.copy(stop=together, before_sleep=warn)(attempt)
 
-    def load_shards(self, opt: torch.optim.Optimizer, store: ObjectStore, ref: dict) -> None:
-        """Every rank: restore the model and AdamW state from the sharded checkpoint
-        ``ref`` (a `save_shards` entry), each rank reading what it holds; the ranks
-        that wrote it may have been more or fewer (DCP reshards)."""
-        if ref.get("format") != SHARDS_FORMAT:
-            raise ValueError(f"checkpoint shards: format {ref.get('format')!r} is not "
-                             f"{SHARDS_FORMAT!r}")
-        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
-        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
-            get_state_dict,
-            set_state_dict,
-        )
-
-        model_sd, opt_sd = get_state_dict(self.model, opt)  # the targets, as held here
-        state = {"model": model_sd, "optimizer": opt_sd}
-        dcp.load(state, storage_reader=checkpoint.shards_reader(store, ref["key"]))
-        set_state_dict(self.model, opt, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+    def load_state(self, opt: torch.optim.Optimizer, store: ObjectStore, ref: dict,
+                   extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Restore the model and AdamW state from the DCP directory ``ref`` (a
+        `save_state` entry; every rank of a sharded island, each reading what it
+        holds: the ranks that wrote it may have been more or fewer); ``extra``: empty
+        tensors of the rest of the worker's state, returned filled."""
+        with_opt = ref.get("optimizer", True)  # False: saved before the first step
+        state = self._state_dicts(opt, optimizer=with_opt)
+        if extra:
+            state["worker"] = extra
+        reader = checkpoint_files.new_reader(store, ref["key"], ref.get("files"))
+        try:
+            with _quiet():
+                dcp.load(state, storage_reader=reader, no_dist=not self.sharded)
+        except CheckpointException as exc:
+            raise checkpoint_files.store_error(exc) from exc
+        if not with_opt:
+            set_model_state_dict(self.model, state["model"])
+        else:
+            set_state_dict(self.model, opt, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+        return state.get("worker", {})
 
 
 class ShardedIsland(Island):
@@ -326,24 +352,24 @@ class ShardedIsland(Island):
         """Every rank (a collective): the model's and the inner optimizer's whole state,
         on rank 0's CPU (other ranks get empty dicts), keyed by parameter name (what
         checkpoints held before they were sharded; tests compare with it)."""
-        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
-            StateDictOptions,
-            get_state_dict,
-        )
-
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_state_dict(self.model, opt, options=opts)
 
-    def load_state(self, opt: torch.optim.Optimizer, model_sd: dict, opt_sd: dict) -> None:
+    def load_whole(self, opt: torch.optim.Optimizer, model_sd: dict, opt_sd: dict) -> None:
         """Every rank: restore the sharded model and optimizer from whole state dicts
-        (each rank keeps its shards): a checkpoint from before they were sharded."""
-        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
-            StateDictOptions,
-            set_state_dict,
-        )
-
+        (each rank keeps its shards): a legacy checkpoint from before they were sharded."""
         set_state_dict(self.model, opt, model_state_dict=model_sd, optim_state_dict=opt_sd,
                        options=StateDictOptions(full_state_dict=True))
+
+
+@contextmanager
+def _quiet() -> Generator[None, None, None]:
+    """DCP warns at every save and load of one process that it assumes one process:
+    here that is the intent, and a worker saves every few minutes."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                                category=UserWarning)
+        yield
 
 
 def _transient(exc: CheckpointException) -> bool:

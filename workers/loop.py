@@ -37,7 +37,6 @@ from diloco.run import load_initial, open_run, plan_for
 from diloco.schedule import Schedule
 from diloco.synchronizer import Behind, MergeAbandoned, Synchronizer
 from storage.objectstore import ObjectStore
-from storage.retry import outlast
 from workers import checkpoint, elastic, report
 from workers.config import RunConfig
 from workers.data.streams import WorkerStream, open_dataset, val_batches
@@ -222,7 +221,7 @@ class WorkerLoop:
         return self.cfg.train.strategy == "diloco"
 
     def _restore(self) -> None:
-        saved = checkpoint.load(self.ckpt_store, self.worker)
+        saved = checkpoint.latest(self.ckpt_store, self.worker)
         if self._uses_sync() and self.group.leader:
             self.sync = Synchronizer(self.island.mirror, self.exchange, self.worker, self.plan,
                                      initialise=saved is None, stop=self.stop,
@@ -238,11 +237,8 @@ class WorkerLoop:
                     self.seat.joined or elastic.behind(self)):
                 elastic.catch_up(self, fresh=True, reason="starting behind the run")
             return
-        step, state = saved
-        if state.get("shards") is not None:  # each rank reads its shards
-            self.island.load_shards(self.opt, self.ckpt_store, state["shards"])
-        else:  # the whole state (a replicated island, or an older sharded checkpoint)
-            self.island.load_state(self.opt, state["model"], state["optimizer"])
+        step = saved.step
+        state = checkpoint.restore(self.ckpt_store, saved, self.island, self.opt)
         self.stream.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"])
         if self.sync is not None:
@@ -256,21 +252,14 @@ class WorkerLoop:
             elastic.catch_up(self, fresh=False, reason="resumed behind the run")
 
     def save(self) -> None:
-        # an island saves once (rank 0), a sharded one with every rank's shards written
-        # first (`_save_shards`); in the baseline every rank is a worker
-        shards = model_state = opt_state = None
-        if self.island.sharded:
-            shards = self._save_shards()
-            if shards is None:
-                return
-        else:
-            model_state, opt_state = self.island.whole_state(self.opt)
-        if not (self.group.leader or self.cfg.train.strategy == "data_parallel"):
+        """The checkpoint of this step: rank 0 of an island (every rank of an fsdp
+        island writes its shards too), each worker in the baseline. A store outage is
+        ridden out for up to ``sync.liveness.outage_s``; a failed write raises and the newest
+        committed checkpoint stays in force."""
+        commits = self.group.leader or self.cfg.train.strategy == "data_parallel"
+        if not (commits or self.island.sharded):
             return
-        state = {
-            "model": model_state,
-            "optimizer": opt_state,
-            "shards": shards,
+        rest = {
             "data": self.stream.state_dict(),
             "rng": torch.get_rng_state(),
             "tokens": self.tokens,
@@ -278,27 +267,11 @@ class WorkerLoop:
             "warm_from": self.warm_from,
             # not copied: nothing changes them until the checkpoint is written below
             "sync": self.sync.state_dict(copy=False) if self.sync is not None else None,
-        }
-        # a checkpoint write is safe to repeat (create-only commit): an outage of the
-        # store is ridden out for up to sync.liveness.outage_s rather than killing the worker
-        keep = self.cfg.retention.worker_checkpoints
-        outlast(lambda: checkpoint.save(self.ckpt_store, self.worker, self.step, state, keep),
-                patience_s=self.cfg.sync.liveness.outage_s, log=log, pause_s=2.0,
-                what=f"worker {self.worker}: checkpoint at step {self.step}")
-        log.info("worker %s: checkpoint at step %d", self.worker, self.step)
-
-    def _save_shards(self) -> dict | None:
-        """Every rank of a sharded island: its shards of the model and AdamW state into
-        a fresh directory rank 0 names (None, and nothing written, when this step's
-        checkpoint is committed already: a stop right after a periodic save). A store
-        outage is ridden out for up to ``sync.liveness.outage_s``; a failed write raises on
-        every rank and the newest committed checkpoint stays in force."""
-        def new_key() -> str | None:
-            if checkpoint.exists(self.ckpt_store, self.worker, self.step):
-                return None
-            return checkpoint.shards_key(self.worker, self.step)
-        return self.island.outlast_save(self.opt, self.ckpt_store, new_key,
-                                        patience_s=self.cfg.sync.liveness.outage_s)
+        } if commits else None
+        if checkpoint.save(self.ckpt_store, self.worker, self.step, self.island, self.opt, rest,
+                           keep=self.cfg.retention.worker_checkpoints,
+                           patience_s=self.cfg.sync.liveness.outage_s):
+            log.info("worker %s: checkpoint at step %d", self.worker, self.step)
 
     # -- the loop ------------------------------------------------------------------
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
