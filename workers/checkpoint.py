@@ -58,33 +58,36 @@ _BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 
 
 # -- the rest of a worker's state: a JSON skeleton and its tensors -----------------------
-def split(obj: Any, tensors: dict[str, torch.Tensor] | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(skeleton, tensors): ``obj`` with each tensor and numpy array replaced by a
+def split(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(skeleton, tensors): ``state`` with each tensor and numpy array replaced by a
     reference to ``tensors[f"t{i}"]`` (numpy arrays become tensors sharing their
     memory); the skeleton is JSON. The tensors are not copied: write them before
     changing them."""
-    tensors = {} if tensors is None else tensors
-    if isinstance(obj, torch.Tensor | np.ndarray):
-        key = f"t{len(tensors)}"
-        if isinstance(obj, np.ndarray):
-            arr = np.ascontiguousarray(obj, dtype=obj.dtype.newbyteorder("="))
-            tensors[key] = torch.from_numpy(arr)
-            return {_ARRAY: key, "dtype": arr.dtype.str, "shape": list(arr.shape)}, tensors
-        t = obj.detach().cpu().contiguous()
+    tensors: dict[str, torch.Tensor] = {}
+    return _skeleton(state, tensors), tensors
+
+
+def _skeleton(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, np.ndarray):
+        key, arr = f"t{len(tensors)}", np.ascontiguousarray(obj, obj.dtype.newbyteorder("="))
+        tensors[key] = torch.from_numpy(arr)
+        return {_ARRAY: key, "dtype": arr.dtype.str, "shape": list(arr.shape)}
+    if isinstance(obj, torch.Tensor):
+        key, t = f"t{len(tensors)}", obj.detach().cpu().contiguous()
         tensors[key] = t
-        return ({_TENSOR: key, "dtype": str(t.dtype).removeprefix("torch."),
-                 "shape": list(t.shape)}, tensors)
+        return {_TENSOR: key, "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape)}
     if isinstance(obj, dict):
-        return {(f"{_INT}{k}" if isinstance(k, int) else str(k)): split(v, tensors)[0]
-                for k, v in obj.items()}, tensors
+        return {(f"{_INT}{k}" if isinstance(k, int) else str(k)): _skeleton(v, tensors)
+                for k, v in obj.items()}
     if isinstance(obj, tuple):
-        return {_TUPLE: [split(v, tensors)[0] for v in obj]}, tensors
+        return {_TUPLE: [_skeleton(v, tensors) for v in obj]}
     if isinstance(obj, list):
-        return [split(v, tensors)[0] for v in obj], tensors
+        return [_skeleton(v, tensors) for v in obj]
     if isinstance(obj, np.generic):
-        return obj.item(), tensors
+        return obj.item()
     if obj is None or isinstance(obj, bool | int | float | str):
-        return obj, tensors
+        return obj
     raise TypeError(f"cannot checkpoint a value of type {type(obj).__name__}")
 
 
