@@ -161,10 +161,12 @@ def final_taus(run_url: str, opts: dict, workers: list[str]) -> dict[str, list[i
 
     store = ObjectStore(run_url, storage_options=opts)
     manifest = json.loads(store.get(layout.MANIFEST))
-    sync = manifest["sync"]
-    if sync.get("overlap") != "auto":
+    from diloco.config import SyncConfig  # noqa: PLC0415
+
+    sync = SyncConfig.stored(manifest["sync"]).schedule
+    if not sync.auto:
         return {}
-    h, frags, steps = sync["sync_every"], sync["fragments"], manifest["total_steps"]
+    h, frags, steps = sync.sync_every, sync.fragments, manifest["total_steps"]
     stride = h // frags
     out: dict[str, list[int]] = {}
     for w in workers:

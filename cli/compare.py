@@ -66,7 +66,7 @@ def _fits(console: Console, table: Table) -> bool:
 def compare_command(
     specs: Annotated[list[str], typer.Argument(
         help="run ids, run names, or MLflow filter strings (quote them), e.g. "
-             "\"params.sync.mode = 'eager'\"")],
+             "\"params.sync.schedule.mode = 'eager'\"")],
     tracking_uri: Annotated[str | None, typer.Option(
         "--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else "
                                "sqlite:///./mlflow.db)")] = None,

@@ -147,7 +147,7 @@ def test_compare_names_an_unreachable_tracking_server(in_process, tmp_path, monk
                                                    "integer"),
     (["train.stepz=5"], "--set train.stepz=5", "train: unknown field(s) stepz"),
     (["train.steps=5", "sync.schedule.fragments=7"], "--set sync.schedule.fragments=7",
-     "sync: sync_every (H) must be divisible by fragments (P)"),
+     "sync.schedule: sync_every (H) must be divisible by fragments (P)"),
     (["sync.schedule.fragments=7", "sync.schedule.sync_every=28", "train.steps=abc"],
      "--set train.steps=abc", "train.steps:"),  # fragments=7 was made valid again
 ], ids=["bad-value", "unknown-field", "bad-combination", "a-later-one"])

@@ -1,7 +1,7 @@
 """Several tracked runs side by side (what ``diloco compare`` shows).
 
 Each spec is an MLflow run id, a run name (the store's run id, which names the
-parent run), or an MLflow filter string (``"params.sync.mode = 'eager'"``,
+parent run), or an MLflow filter string (``"params.sync.schedule.mode = 'eager'"``,
 ``"tags.diloco.strategy = 'data_parallel'"``); filters search every experiment and
 keep parent runs (those the train job created). A row per run:
 

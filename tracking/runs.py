@@ -238,7 +238,8 @@ class RunLinks:
             "diloco.store": strip_credentials(self.store().url),
             "diloco.regions": ",".join(workers),
             "diloco.code_version": code_version(),
-            "diloco.mode": str(sync.get("mode", "")),
+            # a run's config has sync.schedule; a config from before it a flat sync
+            "diloco.mode": str((sync.get("schedule") or {}).get("mode", sync.get("mode", ""))),
             "diloco.strategy": str(train.get("strategy", "diloco")),
             "diloco.config_name": str(config.get("name", "")),
             "mlflow.runName": self.run_name,
