@@ -245,12 +245,12 @@ def _sparse_roundtrip(x: torch.Tensor, spec: CodecSpec, decoded: bool
         raise NonFiniteValues("encode: input contains NaN or Inf; refusing to send it")
     for cols, codes, lo, hi in host:
         parts.append((cols.astype(np.int64), codes.astype(np.uint8), lo, hi))
-    payload = sparse._assemble(n, spec, parts)  # noqa: SLF001 - one layout, one writer
+    payload = sparse.assemble(n, spec, parts)  # one layout, one writer
     if not decoded:
         return payload, None
     out = torch.zeros(n, dtype=torch.float32, device=x.device)
     levels = 1 << (b - 1)
-    mags_table = torch.from_numpy(sparse._MAGS[spec.name]).to(x.device)  # noqa: SLF001
+    mags_table = torch.from_numpy(sparse.MAGS[spec.name]).to(x.device)
     for start, cols, _, _, lo, hi, codes in device_parts:
         rows, length = cols.shape[0], (c if start < full * c else tail)
         w = (hi - lo)[:, None]

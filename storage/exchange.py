@@ -135,7 +135,7 @@ class Exchange:
 
     # -- helpers -----------------------------------------------------------------
     @staticmethod
-    def _codec_record(spec: CodecSpec) -> dict[str, Any]:
+    def codec_record(spec: CodecSpec) -> dict[str, Any]:
         """How a commit names its codec: ``{"name", "block_size"}`` (and ``chunk``,
         ``k`` for the sparse codecs)."""
         record = {"name": spec.name, "block_size": spec.block_size}
@@ -235,7 +235,7 @@ class Exchange:
             "worker": worker,
             "tokens": int(tokens),
             "numel": int(prepared.decoded.size),
-            "codec": self._codec_record(self.up),
+            "codec": self.codec_record(self.up),
             "payload": prepared.payload,
             "objects": prepared.record,
             "created": layout.utc_now(),
@@ -389,7 +389,7 @@ class Exchange:
         if commit.get("numel") != n:
             raise ShapeMismatch(f"{what}: {commit.get('numel')} values, the run expects {n}")
         codec = commit.get("codec", {})
-        if codec != self._codec_record(self.up):
+        if codec != self.codec_record(self.up):
             raise CorruptObject(f"{what}: codec {codec}, the run uses {self.up}")
         return commit, what
 
@@ -432,7 +432,7 @@ class Exchange:
         else:
             payload = layout.mean_payload(fragment, round, writer, _nonce())
             record, decoded = write_array(self.store, payload, x, self.down)
-            commit.update(codec=self._codec_record(self.down), payload=payload,
+            commit.update(codec=self.codec_record(self.down), payload=payload,
                           objects=record)
         commit.update(extra or {})
         if self.store.put_if_absent(commit_key, json.dumps(commit, sort_keys=True).encode()):

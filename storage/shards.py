@@ -214,7 +214,7 @@ def assemble_mean(exchange: Exchange, fragment: int, round: int, writer: str) ->
     if exchange.from_peers:
         body["mean_from"] = "peers"
     else:
-        body["codec"] = exchange._codec_record(exchange.down)
+        body["codec"] = exchange.codec_record(exchange.down)
     _create(exchange, key, body)
     return True
 

@@ -146,7 +146,9 @@ def _magnitudes(b: int) -> np.ndarray:
     return ((2 * np.arange(levels) + 1) / (2 * levels)).astype(np.float32)
 
 
-_MAGS = {name: _magnitudes(b) for name, b in BITS.items()}
+#: per codec, the magnitude of each code's level (mid-points of [0, 1]); the host's
+#: and the device's encoders and the decoder read the same table
+MAGS = {name: _magnitudes(b) for name, b in BITS.items()}
 
 # ----------------------------------------------------------------------------- bit streams
 
@@ -274,7 +276,7 @@ def _dequantize(codes: np.ndarray, lo: np.ndarray, hi: np.ndarray, name: str) ->
     b = BITS[name]
     top = np.uint8(1 << (b - 1))
     w = (hi - lo)[:, None]
-    mag = lo[:, None] + w * _MAGS[name][codes & (top - 1)]
+    mag = lo[:, None] + w * MAGS[name][codes & (top - 1)]
     return np.where(codes & top, -mag, mag)
 
 
@@ -298,7 +300,10 @@ def _encode_parts(x: np.ndarray, spec: SparseSpec) -> list[tuple[np.ndarray, ...
     return parts
 
 
-def _assemble(n: int, spec: SparseSpec, parts: list[tuple[np.ndarray, ...]]) -> bytes:
+def assemble(n: int, spec: SparseSpec, parts: list[tuple[np.ndarray, ...]]) -> bytes:
+    """The payload of ``n`` values from their encoded chunks' parts (columns, codes,
+    low and high scales): the one writer of the layout, for the host's encoder and the
+    device's (`diloco.device_codecs`)."""
     header = np.array([n, spec.chunk, spec.k, BITS[spec.name]], "<u4")
     if not parts:
         return header.tobytes()
@@ -340,7 +345,7 @@ def _kept_parts(
 def encode(x: np.ndarray, spec: SparseSpec) -> bytes:
     """The payload of the module docstring for a 1-D float32 ``x``."""
     x = _as_input(x)
-    return _assemble(x.size, spec, _encode_parts(x, spec))
+    return assemble(x.size, spec, _encode_parts(x, spec))
 
 
 def roundtrip(
@@ -356,7 +361,7 @@ def roundtrip(
     parts = _encode_parts(x, spec)
     dense.fill(0)
     _scatter(parts, spec, dense)
-    return _assemble(x.size, spec, parts), dense
+    return assemble(x.size, spec, parts), dense
 
 # ----------------------------------------------------------------------------- decode
 

@@ -218,12 +218,13 @@ class RunCurves:
     def wall_seconds(self) -> float | None:
         end = self.end_ms
         if not end:
-            times = [c.get(k).times.max() for c in self._children() for k in c.series
+            times = [c.get(k).times.max() for c in self.children() for k in c.series
                      if len(c.get(k))]
             end = max(times, default=None)
         return (end - self.start_ms) / 1000.0 if end else None
 
-    def _children(self) -> list[ChildCurves]:
+    def children(self) -> list[ChildCurves]:
+        """Every party's curves: the workers' (by name), then the aggregator's."""
         return list(self.workers.values()) + ([self.aggregator] if self.aggregator else [])
 
     def results(self) -> dict[str, Any]:
@@ -327,7 +328,7 @@ def load_run_curves(client: Any, parent: Any) -> RunCurves:
     curves.workers = dict(sorted(curves.workers.items()))
     # wall time counts from the first thing that happened (a worker may log before
     # the parent run was created, if the tracking server was slow or away)
-    firsts = [c.get(k).times.min() for c in curves._children() for k in c.series
+    firsts = [c.get(k).times.min() for c in curves.children() for k in c.series
               if len(c.get(k))]
     if firsts:
         curves.start_ms = min([curves.start_ms, *firsts]) if curves.start_ms else min(firsts)
