@@ -198,7 +198,8 @@ class CodecConfig(_Section):
     """Error feedback on the outer gradients: what the codec lost is added to the
     next one. Unset: on for the 4-bit codecs and below; always off for none."""
     feedback_down: bool | None = None
-    """Error feedback on the aggregator's mean, as ``feedback_up``."""
+    """Error feedback on the aggregator's mean (``mean_from: aggregator``). Unset: on
+    for the 4-bit codecs and below; always off for none."""
     error_decay: float | None = Field(default=None, gt=0.0, le=1.0)
     """beta: the error-feedback accumulator is multiplied by it before the next
     outer gradient is added; unset: 0.95 for a sparse ``up`` (SparseLoCo), else 1."""
