@@ -42,6 +42,11 @@ of that key (every membership record, admission, left record and commit is one);
 absent key raises and does not fire): e.g. a joiner that has read its admission
 and not yet bootstrapped.
 
+A wait holds the job, its imports done, until a store key exists, then starts it
+(a job that must begin at a point of the run does not pay its start-up after it)::
+
+    {"action": "wait", "key": "frag/0/r000000/mean.json"}
+
 Plant kinds, all written into this worker's own slot of (p, r): ``flip`` (one
 byte of the chunk object flipped after hashing: bit rot), ``nan`` (a NaN block
 scale with valid checksums), ``shape`` (a vector one block too long, honestly
@@ -57,6 +62,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -286,6 +292,25 @@ def _with_nan_scale(prepared, chunk: str):
     return replace(prepared, blobs={**prepared.blobs, chunk: blob}, record=record)
 
 
+def wait_for(faults: list[dict], argv: list[str], timeout: float = 600.0) -> None:
+    """Hold until every key of a ``wait`` fault exists in the run's store (the
+    imports of the job done first: it then starts at once)."""
+    keys = [f["key"] for f in faults if f["action"] == "wait"]
+    if not keys:
+        return
+    import workers.loop  # noqa: F401 - what the job imports, before the wait
+    from storage.objectstore import ObjectStore
+
+    store = ObjectStore(argv[argv.index("--run") + 1], storage_options=json.loads(
+        os.environ.get("DILOCO_STORAGE_OPTIONS") or "{}"))
+    deadline = time.monotonic() + timeout
+    while not all(store.exists(key) for key in keys):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"fault_job: waited {timeout:.0f} s for {keys}")
+        time.sleep(0.05)
+    note(f"{party(argv)} waited for {', '.join(keys)}")
+
+
 def main() -> int:
     argv = sys.argv[1:]
     if argv and argv[0] == "--":
@@ -294,6 +319,7 @@ def main() -> int:
     install(faults, party(argv))
     from workers.__main__ import main as real_main
 
+    wait_for(faults, argv)
     return real_main(argv)
 
 

@@ -49,10 +49,13 @@ MICRO = [
     "model.overrides={d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}",
     "data.seq_len=16", "data.batch_size=4", "optim.warmup_steps=2", "optim.lr=0.01",
     "train.eval_every=0", "train.eval_batches=1", "train.log_every=1", "train.threads=1",
-    "train.steps=64", "train.checkpoint_every=4", "sync.schedule.sync_every=4", "sync.schedule.fragments=2",
-    "sync.schedule.overlap=1", "sync.liveness.poll_max_s=0.05", "sync.membership.grace_min_s=0.05",
-    "sync.membership.grace_max_s=2", "sync.liveness.lease_s=3",
+    "train.steps=64", "train.checkpoint_every=4", "sync.sync_every=4", "sync.fragments=2",
+    "sync.overlap=1", "sync.poll_max_s=0.05", "sync.grace_min_s=0.05",
+    "sync.grace_max_s=2", "sync.lease_s=3",
 ]
+#: for trials that kill no worker: a worker's periodic checkpoint (every 4 steps, ~170
+#: objects each) is most of a run's requests on S3, and only a killed worker reads one
+NO_CHECKPOINTS = "train.checkpoint_every=0"
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +100,20 @@ def worker_argv(url: str, name: str, *, join: bool = False, faulty: bool = False
     return argv
 
 
-def until(what: str, check, jobs: Jobs, timeout: float = 60.0) -> None:
-    """Poll ``check()`` until true; a job that exits meanwhile fails the trial."""
+def until(what: str, check, jobs: Jobs, timeout: float = 60.0,
+          restart: dict[str, tuple[list[str], dict[str, str]]] | None = None) -> None:
+    """Poll ``check()`` until true; a job that exits meanwhile fails the trial, but
+    one in ``restart`` that dies of SIGKILL (its planned fault), which is started
+    again at once, as `Jobs.wait` does (a run may wait for it)."""
     end = time.monotonic() + timeout
     while not check():
         for job in jobs.jobs.values():
-            if job.proc is not None and job.proc.poll() not in (None, -signal.SIGKILL):
-                jobs.fail(f"{job.name} exited with {job.proc.poll()} before {what}")
+            code = job.proc.poll() if job.proc is not None else None
+            if code == -signal.SIGKILL and job.name in (restart or {}):
+                job.exits.append(code)
+                job.start(*restart.pop(job.name))
+            elif code not in (None, -signal.SIGKILL):
+                jobs.fail(f"{job.name} exited with {code} before {what}")
         if time.monotonic() > end:
             jobs.fail(f"hung: never {what}")
         time.sleep(0.05)
@@ -112,10 +122,6 @@ def until(what: str, check, jobs: Jobs, timeout: float = 60.0) -> None:
 def step_of(store: ObjectStore, name: str) -> int:
     status = read_json(store, layout.member_status(name)) or {}
     return int(status.get("step") or 0)
-
-
-def mean_landed(store: ObjectStore, p: int, r: int) -> bool:
-    return store.exists(layout.mean_commit(p, r))
 
 
 def check_clean(where: Where, logs: Path, joiner: str | None = JOINER,
@@ -145,15 +151,16 @@ def check_clean(where: Where, logs: Path, joiner: str | None = JOINER,
 def run_trial(where: Where, tmp_path: Path, faults: dict[str, list[dict]], *,
               join: bool = True, leave: str | None = None) -> list[str]:
     """The aggregator and the two workers; once round 0 of fragment 0 is reduced,
-    the joiner (``--join``); a leave request for ``leave`` once it reached step 10.
-    A job with faults runs through tests/fault_job.py and, killed, is started
-    again as plain ``python -m workers --worker NAME`` (no ``--join``)."""
+    the joiner (``--join``; started with them through tests/fault_job.py, which
+    holds it, imports done, until that mean is committed); a leave request for
+    ``leave`` once it reached step 10. A job with faults runs through
+    tests/fault_job.py and, killed, is started again as plain ``python -m workers
+    --worker NAME`` (no ``--join``)."""
     logs = tmp_path / "logs"
     fault_log = tmp_path / "faults.log"
     restart = {}
 
-    def start(jobs: Jobs, name: str, **kw) -> None:
-        mine = faults.get(name)
+    def start(jobs: Jobs, name: str, mine: list[dict], **kw) -> None:
         if mine:
             env = {**where.env, "DILOCO_FAULTS": json.dumps(mine),
                    "DILOCO_FAULT_LOG": str(fault_log)}
@@ -165,15 +172,19 @@ def run_trial(where: Where, tmp_path: Path, faults: dict[str, list[dict]], *,
     store = where.store()
     with Jobs(logs, TRIAL_TIMEOUT) as jobs:
         for name in ("aggregator", "region-a", "region-b"):
-            start(jobs, name)
+            start(jobs, name, faults.get(name, []))
         if join:
-            until("round 0 was reduced", lambda: mean_landed(store, 0, 0), jobs)
-            start(jobs, JOINER, join=True)
+            after_round_0 = {"action": "wait", "key": layout.mean_commit(0, 0)}
+            start(jobs, JOINER, [after_round_0, *faults.get(JOINER, [])], join=True)
         if leave:
-            until(f"{leave} reached step 10", lambda: step_of(store, leave) >= 10, jobs)
+            until(f"{leave} reached step 10", lambda: step_of(store, leave) >= 10, jobs,
+                  restart=restart)
             assert request_leave(store, leave)
         jobs.wait(restart)
-    return fired(fault_log)
+    lines = fired(fault_log)
+    if join:  # it joined a running run: round 0 was reduced before it began
+        assert f"{JOINER} waited for {layout.mean_commit(0, 0)}" in lines, lines
+    return lines
 
 
 # -- 1. kill -9 at every publish boundary of join and leave ------------------------------
@@ -250,7 +261,7 @@ def test_join_and_leave_killed_at_boundaries_on_s3(join_at, leave_at, data_url, 
 def test_two_joiners_race_for_one_name(where, data_url, tmp_path):
     """Both racers start together with the aggregator; the run's workers start once
     the name is claimed, so the winner trains the whole (short) run with them."""
-    new_run(where, data_url, "train.steps=16")
+    new_run(where, data_url, "train.steps=16", NO_CHECKPOINTS)
     store = where.store()
     with Jobs(tmp_path / "logs", TRIAL_TIMEOUT) as jobs:
         jobs.start("aggregator", worker_argv(where.url, "aggregator"), where.env)
@@ -289,15 +300,17 @@ def test_two_joiners_race_for_one_name(where, data_url, tmp_path):
 # -- 3. a lease that lapses while its holder is only slow --------------------------------
 
 def test_a_lease_lapses_while_its_holder_is_stopped(where, data_url, tmp_path):
-    """region-b is SIGSTOPped for 4 leases (8 s) mid-run, then SIGCONT: the rounds
-    reduce without it meanwhile, once its lease lapses (at most one lease after its
-    last progress, the first round that misses it waits for it: it was coming); what
-    it sends when it wakes is applied late once, dropped, or never sent (it heals);
-    nothing is applied twice. On S3 the
-    lease is read from status objects and the late send is a conditional PUT: moto
-    only (``where``), seaweedfs would double the time and test the same requests."""
-    new_run(where, data_url, "sync.membership.max_staleness=2", "sync.liveness.lease_s=2")  # 64 steps: the
-    # run goes on after region-b wakes (one that wakes after the end exits 2, RunFinished)
+    """region-b is SIGSTOPped mid-run until region-a has gone 16 steps (4 rounds of
+    each fragment) further, then SIGCONT: the rounds reduce without it meanwhile,
+    once its lease lapses (at most one lease after its last progress, the first
+    round that misses it waits for it: it was coming); what it sends when it wakes
+    is applied late once, dropped, or never sent (it heals); nothing is applied
+    twice. Counted in steps, not seconds: a region-a that waited for region-b never
+    gets there (the trial fails as hung). On S3 the lease is read from status
+    objects and the late send is a conditional PUT."""
+    new_run(where, data_url, "sync.max_staleness=2", "sync.lease_s=2", NO_CHECKPOINTS)
+    # 64 steps: the run goes on after region-b wakes (at region-a's step ~30; one that
+    # wakes after the end exits 2, RunFinished)
     store = where.store()
     with Jobs(tmp_path / "logs", TRIAL_TIMEOUT) as jobs:
         for name in ("aggregator", "region-a", "region-b"):
@@ -306,9 +319,10 @@ def test_a_lease_lapses_while_its_holder_is_stopped(where, data_url, tmp_path):
         victim = jobs.jobs["region-b"].proc
         os.killpg(victim.pid, signal.SIGSTOP)
         stopped_at = step_of(store, "region-a")
-        time.sleep(8.0)
-        os.killpg(victim.pid, signal.SIGCONT)
+        until("region-a went 16 steps on without region-b",
+              lambda: step_of(store, "region-a") >= stopped_at + 16, jobs, timeout=90.0)
         assert step_of(store, "region-a") > stopped_at + 4, "region-a waited for region-b"
+        os.killpg(victim.pid, signal.SIGCONT)
         jobs.wait()
     report = check_clean(where, tmp_path / "logs", joiner=None)
     ex = open_run(where.url, where.options)
@@ -335,7 +349,10 @@ def test_aggregator_restarted_during_a_join(boundary, where, data_url, tmp_path)
     admission, and started again: the joiner is admitted once and finishes. On S3
     the admission is a conditional PUT the new aggregator may race with: moto only
     (``where``), seaweedfs would double the time and test the same requests."""
-    new_run(where, data_url)
+    # 64 steps, a checkpoint every 4 on the directory store: the workers go on while
+    # the joiner bootstraps, and must not finish first; on S3 (slower steps) no
+    # checkpoints, most of a run's requests
+    new_run(where, data_url, *([NO_CHECKPOINTS] if where.url.startswith("s3://") else []))
     fault = {"action": "kill", "at": AGGREGATOR_KILLS[boundary],
              "key": f"members/{JOINER}/admission.json"}
     lines = run_trial(where, tmp_path, {"aggregator": [fault]})
