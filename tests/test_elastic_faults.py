@@ -49,9 +49,10 @@ MICRO = [
     "model.overrides={d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}",
     "data.seq_len=16", "data.batch_size=4", "optim.warmup_steps=2", "optim.lr=0.01",
     "train.eval_every=0", "train.eval_batches=1", "train.log_every=1", "train.threads=1",
-    "train.steps=64", "train.checkpoint_every=4", "sync.sync_every=4", "sync.fragments=2",
-    "sync.overlap=1", "sync.poll_max_s=0.05", "sync.grace_min_s=0.05",
-    "sync.grace_max_s=2", "sync.lease_s=3",
+    "train.steps=64", "train.checkpoint_every=4", "sync.schedule.sync_every=4",
+    "sync.schedule.fragments=2", "sync.schedule.overlap=1", "sync.liveness.poll_max_s=0.05",
+    "sync.membership.grace_min_s=0.05", "sync.membership.grace_max_s=2",
+    "sync.liveness.lease_s=3",
 ]
 #: for trials that kill no worker: a worker's periodic checkpoint (every 4 steps, ~170
 #: objects each) is most of a run's requests on S3, and only a killed worker reads one
@@ -308,7 +309,8 @@ def test_a_lease_lapses_while_its_holder_is_stopped(where, data_url, tmp_path):
     twice. Counted in steps, not seconds: a region-a that waited for region-b never
     gets there (the trial fails as hung). On S3 the lease is read from status
     objects and the late send is a conditional PUT."""
-    new_run(where, data_url, "sync.max_staleness=2", "sync.lease_s=2", NO_CHECKPOINTS)
+    new_run(where, data_url, "sync.membership.max_staleness=2", "sync.liveness.lease_s=2",
+            NO_CHECKPOINTS)
     # 64 steps: the run goes on after region-b wakes (at region-a's step ~30; one that
     # wakes after the end exits 2, RunFinished)
     store = where.store()
