@@ -124,7 +124,7 @@ def worker_main(argv: Sequence[str]) -> int:
         last[0] = time.perf_counter()
 
     def setup() -> WorkerLoop:
-        return WorkerLoop(a.run, a.worker, join=a.join, metrics=metrics)
+        return WorkerLoop.open(a.run, a.worker, join=a.join, metrics=metrics)
 
     loop = None
     try:

@@ -60,7 +60,7 @@ def train(url: str, cfg_overrides: list[str], late_every: int | None) -> dict[st
     agg, stop = Aggregator(open_run(url), hold_back=hold_back), threading.Event()
     agg_thread = threading.Thread(target=agg.run, args=(stop, 7200), daemon=True)
     agg_thread.start()
-    loops = [WorkerLoop(url, w) for w in cfg.workers]
+    loops = [WorkerLoop.open(url, w) for w in cfg.workers]
     threads = [threading.Thread(target=loop.run) for loop in loops]
     for t in threads:
         t.start()

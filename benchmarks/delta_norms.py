@@ -55,7 +55,7 @@ def train(setup: str, url: str) -> None:
     agg, stop = Aggregator(open_run(url)), threading.Event()
     agg_thread = threading.Thread(target=agg.run, args=(stop, 7200), daemon=True)
     agg_thread.start()
-    loops = [WorkerLoop(url, w) for w in cfg.workers]
+    loops = [WorkerLoop.open(url, w) for w in cfg.workers]
     threads = [threading.Thread(target=loop.run) for loop in loops]
     for t in threads:
         t.start()

@@ -381,7 +381,7 @@ def train_in_threads(url: str, workers: list[str]) -> tuple[list, list, bool, fl
     agg, stop = Aggregator(open_run(url)), threading.Event()
     agg_thread = threading.Thread(target=agg.run, args=(stop, 600), daemon=True)
     agg_thread.start()
-    loops = [WorkerLoop(url, w) for w in workers]
+    loops = [WorkerLoop.open(url, w) for w in workers]
     results: list = [None] * len(loops)
     errors: list[BaseException] = []
 

@@ -50,9 +50,9 @@ def _payloads(objects: dict[str, int], kind: str) -> dict[str, int]:
 
 def status_totals(loop) -> dict[str, int]:
     """Requests and bodies of a WorkerLoop's status object writes."""
-    if loop.status is None:
+    if not loop.speaks:  # an island's follower writes no status
         return {"requests": 0, "bytes_up": 0, "bytes_down": 0}
-    snap = loop.status.store.traffic.snapshot()
+    snap = loop.board.store.traffic.snapshot()
     return {k: snap[k] for k in ("requests", "bytes_up", "bytes_down")}
 
 

@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "loss" in m:
             log.info("%s step %d loss %.4f", m["worker"], m["step"], m["loss"])
 
-    loop = WorkerLoop(args.run, args.worker, storage_options=opts, group=group,
+    loop = WorkerLoop.open(args.run, args.worker, storage_options=opts, group=group,
                       metrics=metrics)
     print("READY", flush=True)
     if args.wait_go and not sys.stdin.readline():

@@ -168,6 +168,13 @@ class Synchronizer:
         return self.inflight.residual
 
     @property
+    def next_rounds(self) -> tuple[int, ...]:
+        """Per fragment, the next round this worker sends (one past its last sent):
+        what a starting worker compares with the run's reduced rounds, and what a
+        leaving worker records."""
+        return tuple(self._next_round)
+
+    @property
     def waiting_for(self) -> tuple[int, int] | None:
         """(fragment, round) of the mean a merge is blocked on, else None."""
         return self.inflight.waiting_for

@@ -195,7 +195,7 @@ def _in_process(run_url: str, worker: str, storage_options: dict | None,
 
     flow_run_log = FlowRunLog(worker)
     try:
-        loop = WorkerLoop(run_url, worker, storage_options=storage_options, stop=stop,
+        loop = WorkerLoop.open(run_url, worker, storage_options=storage_options, stop=stop,
                           metrics=_emit(worker, hooks, flow_run_log),
                           stop_patience_s=BLOCKED_PATIENCE_S, join=join, claim=claim)
     except Exception as exc:

@@ -87,7 +87,7 @@ def train(cfg, url: str) -> tuple[list, list, bool, float]:
     agg, stop = Aggregator(open_run(url)), threading.Event()
     agg_thread = threading.Thread(target=agg.run, args=(stop, 600), daemon=True)
     agg_thread.start()
-    loops = [WorkerLoop(url, w) for w in cfg.workers]
+    loops = [WorkerLoop.open(url, w) for w in cfg.workers]
     results: list = [None] * len(loops)
     errors: list[BaseException] = []
 

@@ -65,7 +65,7 @@ class Run:
 
         def work():
             try:
-                loop = WorkerLoop(self.url, worker, join=join, metrics=metrics, stop=stop)
+                loop = WorkerLoop.open(self.url, worker, join=join, metrics=metrics, stop=stop)
                 try:
                     self.results[worker] = loop.run()
                 finally:
@@ -141,7 +141,7 @@ def test_a_leaver_finishes_its_round_and_no_one_waits_for_it(dataset):
 def test_a_name_already_taken_is_refused_and_nothing_is_written(dataset):
     run = Run(dataset, "train.steps=8")
     with pytest.raises(MembershipError, match="taken"):
-        WorkerLoop(run.url, "region-a", join=True)
+        WorkerLoop.open(run.url, "region-a", join=True)
     run.stop.set()
     run.agg.join(10)
 
@@ -154,7 +154,7 @@ def test_joining_a_finished_run_is_refused_and_nothing_is_written(dataset):
     store = ObjectStore(run.url)
     before = sorted(store.list(""))
     with pytest.raises(MembershipError, match="finished"):
-        WorkerLoop(run.url, "region-z", join=True)
+        WorkerLoop.open(run.url, "region-z", join=True)
     assert sorted(store.list("")) == before
 
 
@@ -226,7 +226,7 @@ def test_a_fault_free_run_with_jitter_equals_the_strict_run(dataset):
 
     def work():
         try:
-            loop = WorkerLoop(run.url, "region-b", metrics=held_up)
+            loop = WorkerLoop.open(run.url, "region-b", metrics=held_up)
             try:
                 run.results["region-b"] = loop.run()
             finally:

@@ -54,7 +54,7 @@ def train(url: str, cfg) -> None:
 
     def work(name: str) -> None:
         try:
-            loop = WorkerLoop(url, name)
+            loop = WorkerLoop.open(url, name)
             try:
                 loop.run()
             finally:

@@ -90,7 +90,7 @@ class Run:
                             if (crash or {}).get(worker) == m["step"]:
                                 raise KeyboardInterrupt  # the process dies here
 
-                    loop = WorkerLoop(self.url, worker, metrics=metrics, stop=stop)
+                    loop = WorkerLoop.open(self.url, worker, metrics=metrics, stop=stop)
                     try:
                         results[worker] = loop.run()
                         return

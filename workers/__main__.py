@@ -195,7 +195,7 @@ def _train(args: argparse.Namespace, opts: dict | None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):  # a launcher's stop, or Ctrl-C on torchrun
         signal.signal(sig, on_signal)
-    loop = WorkerLoop(args.run, args.worker, storage_options=opts, stop=stop, group=group,
+    loop = WorkerLoop.open(args.run, args.worker, storage_options=opts, stop=stop, group=group,
                       metrics=_log_metrics(args.worker), join=args.join, claim=args.claim)
     try:
         result = loop.run()

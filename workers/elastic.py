@@ -23,6 +23,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,15 +40,18 @@ from diloco.membership import (
     run_finished,
     wait_admission,
 )
+from diloco.schedule import Schedule
+from diloco.synchronizer import Synchronizer
 from storage import layout
 from storage.errors import TransientStoreError
+from storage.exchange import Exchange
 from storage.objectstore import ObjectStore
 from storage.retry import outlast
 from storage.spec import RunManifest
 from workers.config import RunConfig
-
-#: a `workers.loop.WorkerLoop` (not imported: it imports this module)
-WorkerLoop = Any
+from workers.group import Group
+from workers.island import Island
+from workers.progress import Position
 
 log = logging.getLogger(__name__)
 
@@ -105,103 +110,124 @@ def take_seat(store: ObjectStore, manifest: RunManifest, cfg: RunConfig, worker:
                 joined=True)
 
 
-def catch_up(loop: WorkerLoop, *, fresh: bool, reason: str) -> bool:
+@dataclass(frozen=True)
+class Member:
+    """What elastic membership needs of a worker, and no more: who it is, where the
+    run is, its island and the run's schedule (read only), the event that stops it,
+    and ``status``, which writes its status (``status(state, force=..., note=...)``).
+    Its progress (`workers.progress.Position`) and its synchroniser are passed apart:
+    they are what membership changes or reads as the worker trains."""
+
+    worker: str
+    group: Group
+    cfg: RunConfig
+    store: ObjectStore
+    exchange: Exchange
+    island: Island
+    schedule: Schedule
+    stop: threading.Event
+    status: Callable[..., None]
+
+    @property
+    def uses_sync(self) -> bool:
+        """Whether the worker exchanges through the store (``diloco``); the
+        data-parallel baseline has no membership to change."""
+        return self.cfg.train.strategy == "diloco"
+
+
+def catch_up(member: Member, sync: Synchronizer | None, position: Position, *, fresh: bool,
+             reason: str) -> bool:
     """Take the canonical state at the run's newest merge point if it is ahead of
-    ``loop``; True if the worker moved. ``fresh``: its inner optimizer is new (a
+    ``position``; True if the worker moved. ``fresh``: its inner optimizer is new (a
     joiner, or a start without a checkpoint), so its learning rate warms up again
     from there."""
-    sync = loop.sync
     if sync is None:
         return False
-    loop._status("joining", force=True, note=reason)
-    front = outlast(lambda: frontier(loop.exchange, loop.cfg.sync, stop=loop.stop.is_set,
-                                     timeout_s=loop.cfg.sync.liveness.outage_s),
-                    patience_s=loop.cfg.sync.liveness.outage_s, log=log, stop=loop.stop.is_set,
-                    what=f"worker {loop.worker}: read the run's canonical state", pause_s=2.0)
-    if front.step >= loop.cfg.train.steps:
+    cfg, stop = member.cfg, member.stop
+    member.status("joining", force=True, note=reason)
+    front = outlast(lambda: frontier(member.exchange, cfg.sync, stop=stop.is_set,
+                                     timeout_s=cfg.sync.liveness.outage_s),
+                    patience_s=cfg.sync.liveness.outage_s, log=log, stop=stop.is_set,
+                    what=f"worker {member.worker}: read the run's canonical state", pause_s=2.0)
+    if front.step >= cfg.train.steps:
         raise RunFinished(
-            f"run {loop.exchange.manifest.run_id!r} has finished: every round is reduced "
+            f"run {member.exchange.manifest.run_id!r} has finished: every round is reduced "
             "(nothing left to train)")
-    if front.step <= loop.step:
-        loop._status("running", force=True)
+    if front.step <= position.step:
+        member.status("running", force=True)
         return False
     log.info("worker %s: %s: taking the canonical state at step %d (merge point %d)",
-             loop.worker, reason, front.step, front.merge_point)
+             member.worker, reason, front.step, front.merge_point)
     sync.rebase(front.step, front.rounds, front.outer)
-    loop.step = front.step
-    loop.stream.seek(front.step * loop.cfg.optim.grad_accum)
-    loop.from_step = front.step
-    if fresh:
-        loop.warm_from = front.step
-    loop._status("running", force=True)
+    position.seek(front.step, fresh=fresh)
+    member.status("running", force=True)
     return True
 
 
-def behind(loop: WorkerLoop) -> bool:
+def behind(member: Member, sync: Synchronizer | None) -> bool:
     """Whether a starting worker's next round of some fragment was reduced without
     it (a round reduced with its contribution is one it replays exactly, as a
     worker started again after a crash does)."""
-    sync = loop.sync
     if sync is None:
         return False
 
     def check() -> bool:
-        for p, (r, n) in enumerate(zip(sync._next_round, sync.rounds, strict=True)):
-            commit = loop.exchange.mean_commit(p, r) if r < n else None
-            if commit is not None and loop.worker not in commit.get("weights", {}):
+        for p, (r, n) in enumerate(zip(sync.next_rounds, sync.rounds, strict=True)):
+            commit = member.exchange.mean_commit(p, r) if r < n else None
+            if commit is not None and member.worker not in commit.get("weights", {}):
                 return True
         return False
 
-    return outlast(check, patience_s=loop.cfg.sync.liveness.outage_s, log=log, pause_s=2.0,
-                   what=f"worker {loop.worker}: read where the run is", stop=loop.stop.is_set)
+    return outlast(check, patience_s=member.cfg.sync.liveness.outage_s, log=log, pause_s=2.0,
+                   what=f"worker {member.worker}: read where the run is",
+                   stop=member.stop.is_set)
 
 
-def merged_at(loop: WorkerLoop, step: int) -> bool:
+def merged_at(member: Member, step: int) -> bool:
     """Whether a fragment merged after inner step ``step`` (a place to leave). Every
     rank of an island answers alike: the schedule is the run's, not rank 0's."""
-    return loop._uses_sync() and any(e.kind == "merge" for e in loop.schedule.events(step))
+    return member.uses_sync and any(e.kind == "merge" for e in member.schedule.events(step))
 
 
-def leaving(loop: WorkerLoop, step: int | None = None) -> bool:
+def leaving(member: Member, sync: Synchronizer | None, step: int | None = None) -> bool:
     """Whether the worker leaves now: at its start (``step`` None) if it left or was
     asked to, else after inner step ``step`` if a fragment merged then and it was asked
     to. In an island rank 0 alone reads the request (it alone talks to the store) and
     the ranks agree on it (`workers.island.Island.agree`), so they all leave after the
     same step: a rank that went on would wait forever in the next step's all-reduce."""
-    if not loop._uses_sync() or (step is not None and not merged_at(loop, step)):
+    if not member.uses_sync or (step is not None and not merged_at(member, step)):
         return False
-    wants = loop.sync is not None and (
-        (step is None and already_left(loop)) or asked_to_leave(loop))
-    if loop.group.size == 1:
+    wants = sync is not None and (
+        (step is None and already_left(member)) or asked_to_leave(member))
+    if member.group.size == 1:
         return wants
-    return loop.island.agree(int(wants)) > 0
+    return member.island.agree(int(wants)) > 0
 
 
-def asked_to_leave(loop: WorkerLoop) -> bool:
+def asked_to_leave(member: Member) -> bool:
     """Whether ``diloco leave`` asked this worker to leave. A store that keeps failing
     the read does not stop training over it: the request is read again at the next
     merge (a leave is never urgent)."""
     try:
-        return leave_requested(loop.store, loop.worker)
+        return leave_requested(member.store, member.worker)
     except TransientStoreError as exc:
         log.warning("%s: could not read whether it is asked to leave (read again at the "
-                    "next merge): %s", loop.worker, exc)
+                    "next merge): %s", member.worker, exc)
         return False
 
 
-def already_left(loop: WorkerLoop) -> bool:
-    return has_left(loop.store, loop.worker)
+def already_left(member: Member) -> bool:
+    return has_left(member.store, member.worker)
 
 
-def leave(loop: WorkerLoop) -> None:
-    """Commit what was sent, record the last rounds, say ``left``."""
-    if not loop.group.leader:
+def leave(member: Member, sync: Synchronizer | None, step: int) -> None:
+    """Commit what was sent, record the last rounds (one per fragment), say ``left``."""
+    if not member.group.leader:
         return  # an island's rank 0 records it, with the rounds its synchroniser sent
-    sync = loop.sync
-    last = [-1] * len(loop.plan)
+    last = [-1] * len(member.exchange.manifest.fragments)
     if sync is not None:
         sync.inflight.drain()  # every round sent is committed before the record
-        last = [r - 1 for r in sync._next_round]
-    record_left(loop.store, loop.worker, last, loop.step)
-    log.info("worker %s: left the run after step %d (last rounds %s)", loop.worker,
-             loop.step, last)
+        last = [r - 1 for r in sync.next_rounds]
+    record_left(member.store, member.worker, last, step)
+    log.info("worker %s: left the run after step %d (last rounds %s)", member.worker,
+             step, last)

@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -33,33 +30,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from diloco.run import load_initial, open_run, plan_for
-from diloco.schedule import Schedule
+from diloco.run import load_initial
 from diloco.synchronizer import Behind, MergeAbandoned, Synchronizer
-from storage.objectstore import ObjectStore
 from workers import checkpoint, elastic, report
-from workers.config import RunConfig
-from workers.data.streams import WorkerStream, open_dataset, val_batches
-from workers.inner import (
-    evaluate,
-    inner_step,
-    lr_at,
-    make_optimizer,
-    pick_device,
-    to_device,
-)
+from workers.group import Group
+from workers.inner import evaluate, inner_step, lr_at, to_device
 from workers.island import ShardedIsland
-from workers.island import make as make_island
 from workers.losslog import LossLog
-from workers.memory import fixed_mmap_threshold
-from workers.model import build_model, describe
+from workers.parts import Parts
+from workers.parts import build as build_parts
+from workers.progress import Position
 from workers.status import StatusBoard
 
 log = logging.getLogger(__name__)
 
 Metrics = Callable[[dict[str, Any]], None]
-#: steps whose seconds give a worker's usual step (its status's ``step_s``)
-PACE_STEPS = 32
 
 
 class Interrupted(Exception):
@@ -96,133 +81,66 @@ class WorkerResult:
         return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in d.items()}
 
 
-@dataclass(frozen=True)
-class Group:
-    """This process's place in its group: the island (diloco) or all workers
-    (data_parallel). ``size`` 1 means no torch.distributed."""
-
-    rank: int = 0
-    size: int = 1
-
-    @classmethod
-    def from_env(cls) -> Group:
-        return cls(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
-
-    @property
-    def leader(self) -> bool:
-        return self.rank == 0
-
-
 class WorkerLoop:
-    """One worker's training, from a run in the store to its final rounds."""
+    """One worker's training, from a run in the store to its final rounds.
 
-    def __init__(
-        self,
-        run_url: str,
-        worker: str,
-        *,
-        storage_options: dict | None = None,
-        metrics: Metrics | None = None,
-        stop: threading.Event | None = None,
-        group: Group | None = None,
-        stop_patience_s: float = 10.0,
-        join: bool = False,
-        claim: str | None = None,
-    ):
-        """``join``: the worker is not one of the manifest's workers and joins the
-        running run (``claim``: the id of its membership record, so a relaunch of
-        the same join is told from a second joiner taking the name)."""
-        # Exchange traffic is what the product reports; checkpoints go through their
-        # own client so that their bytes are counted apart.
-        self.group = group or Group()
-        if worker == "auto":  # the data-parallel baseline: rank i is worker i
-            worker = open_run(
-                ObjectStore(run_url, storage_options=storage_options)
-            ).manifest.workers[self.group.rank]
-        self.store = ObjectStore(run_url, storage_options=storage_options, name=worker)
-        self.ckpt_store = ObjectStore(run_url, storage_options=storage_options,
-                                      name=f"{worker}-checkpoints")
-        self.exchange = open_run(self.store)
-        manifest = self.exchange.manifest
-        self.cfg = RunConfig.stored(manifest.config)
-        self.status = StatusBoard(
-            ObjectStore(run_url, storage_options=storage_options, name=f"{worker}-status"),
-            worker, background=True, renew_s=max(0.5, self.cfg.sync.liveness.lease_s / 4))
-        self.meter = report.party_meter(self.cfg, worker, [self.store, self.ckpt_store], self.status)
-        self.moved_before = report.moved_before(self.status)  # a restart's bytes add on
-        self.worker = worker
+    It trains with the parts `workers.parts.build` made (`open` builds them and the
+    loop in one call) and keeps the worker's progress in one `Position`, which elastic
+    membership moves through the narrow `elastic.Member` view, never the loop."""
+
+    def __init__(self, parts: Parts, *, metrics: Metrics | None = None,
+                 stop: threading.Event | None = None, stop_patience_s: float = 10.0):
+        self.worker, self.group, self.cfg = parts.worker, parts.group, parts.cfg
+        self.store, self.ckpt_store, self.exchange = parts.store, parts.ckpt_store, parts.exchange
+        self.seat, self.device, self.model, self.plan = (
+            parts.seat, parts.device, parts.model, parts.plan)
+        self.island, self.stream, self.val, self.opt = (
+            parts.island, parts.stream, parts.val, parts.opt)
+        self.schedule, self.reporter = parts.schedule, parts.reporter
+        self.position = Position(parts.stream, self.cfg.optim.grad_accum)
         self.sync: Synchronizer | None = None
-        self.step, self.tokens, self.from_step = 0, 0, 0
-        #: seconds of the recent steps, without their exchange (a merge's wait for a
-        #: mean is the others' pace, not this worker's): their median, the usual step,
-        #: is what the aggregator compares members by
-        self.pace: deque[float] = deque(maxlen=PACE_STEPS)
-        self.warm_from: int | None = None
         self.metrics = metrics or (lambda m: None)
         self.stop = stop or threading.Event()
         self.stop_patience_s = stop_patience_s
-        self.device = pick_device(self.cfg)
-        fixed_mmap_threshold()
-        if self.cfg.train.threads:
-            torch.set_num_threads(self.cfg.train.threads)
-
-        # first: a worker that is not a member fails in one line, before any work
-        self.seat = elastic.take_seat(
-            self.store, manifest, self.cfg, worker, join=join, claim=claim,
-            on_wait=lambda: self._status("joining", force=True, note="waiting for admission"))
-        self.dataset = open_dataset(self.cfg.dataset_url(run_url), storage_options)
-        mcfg = self.cfg.model_config_resolved
-        if self.dataset.vocab_size > mcfg.vocab_size:
-            raise ValueError(
-                f"the dataset's vocabulary ({self.dataset.vocab_size}) is larger than the "
-                f"model's vocab_size ({mcfg.vocab_size})"
-            )
-        self.model = build_model(mcfg, seed=self.cfg.train.seed).to(self.device)
-        self.plan = plan_for(self.model, self.cfg.sync)
-        self.plan.check_against([f.model_dump() for f in manifest.fragments])
-        if self.group.leader:
-            log.info("worker %s: model %s", worker, describe(self.model))
-            for frag in self.plan.fragments:
-                log.info("worker %s: fragment %d: %d parameters in %d tensors (%s ...)",
-                         worker, frag.index, frag.numel, len(frag.params),
-                         ", ".join(frag.names[:3]))
-        # train.island fsdp: the model is sharded over the island's ranks from here on
-        self.island = make_island(self.model, self.plan, self.exchange,
-                                  self.cfg.train.island if self._uses_sync() else "replicate",
-                                  self.group.rank, self.group.size, self.cfg.sync.schedule.auto)
-
-        b, size = self.seat.batch_size, self.group.size
-        dp = self.cfg.train.strategy == "data_parallel"
-        if dp and self.group.size not in (1, len(manifest.workers)):
-            raise ValueError(
-                f"train.strategy data_parallel runs one process per worker: "
-                f"{len(manifest.workers)} workers but {self.group.size} processes"
-            )
-        if not dp and b % size:
-            raise ValueError(
-                f"data.batch_size = {b} must be divisible by the island's {size} processes"
-            )
-        stream_index, stream_count = self.seat.slot, self.seat.slots
-        if dp:  # the baseline: rank i of M reads share i of M
-            stream_index, stream_count = manifest.workers.index(worker), len(manifest.workers)
-        self.stream = WorkerStream(
-            self.dataset, stream_index, stream_count, split=self.cfg.data.split,
-            seq_len=self.cfg.data.seq_len, batch_size=b, seed=self.cfg.train.seed,
-        )
-        self.val = val_batches(self.dataset, seq_len=self.cfg.data.seq_len, batch_size=b,
-                               num_batches=self.cfg.train.eval_batches)
-        self.opt = make_optimizer(self.model, self.cfg)
-        self.schedule = Schedule.of(self.cfg.sync.schedule)
+        self.speaks = True  # an island's followers fall silent when training starts
+        self.member = elastic.Member(
+            worker=self.worker, group=self.group, cfg=self.cfg, store=self.store,
+            exchange=self.exchange, island=self.island, schedule=self.schedule, stop=self.stop,
+            status=self.status)
         self.resumed_from: int | None = None
         self._restore()
 
-    # -- state ---------------------------------------------------------------------
-    def _uses_sync(self) -> bool:
-        return self.cfg.train.strategy == "diloco"
+    @classmethod
+    def open(cls, run_url: str, worker: str, *, storage_options: dict | None = None,
+             metrics: Metrics | None = None, stop: threading.Event | None = None,
+             group: Group | None = None, stop_patience_s: float = 10.0, join: bool = False,
+             claim: str | None = None) -> WorkerLoop:
+        """Build ``worker``'s parts in run ``run_url`` (`workers.parts.build`: ``join``
+        and ``claim`` are a joiner's) and the loop that trains them, restored from the
+        worker's newest checkpoint if it has one."""
+        parts = build_parts(run_url, worker, storage_options=storage_options, group=group,
+                            join=join, claim=claim)
+        return cls(parts, metrics=metrics, stop=stop, stop_patience_s=stop_patience_s)
 
+    @property
+    def step(self) -> int:
+        """Inner steps done (`Position.step`)."""
+        return self.position.step
+
+    @property
+    def tokens(self) -> int:
+        """Tokens trained on (`Position.tokens`)."""
+        return self.position.tokens
+
+    @property
+    def board(self) -> StatusBoard:
+        """The worker's status board (its lease and what ``diloco status`` shows)."""
+        return self.reporter.board
+
+    # -- state ---------------------------------------------------------------------
     def _restore(self) -> None:
         saved = checkpoint.latest(self.ckpt_store, self.worker)
-        if self._uses_sync() and self.group.leader:
+        if self.member.uses_sync and self.group.leader:
             self.sync = Synchronizer(self.island.mirror, self.exchange, self.worker, self.plan,
                                      initialise=saved is None, stop=self.stop,
                                      stop_patience_s=self.stop_patience_s,
@@ -234,8 +152,9 @@ class WorkerLoop:
                 self.plan.scatter(self.model, p, v)
         if saved is None:
             if self.sync is not None and self.group.size == 1 and (
-                    self.seat.joined or elastic.behind(self)):
-                elastic.catch_up(self, fresh=True, reason="starting behind the run")
+                    self.seat.joined or elastic.behind(self.member, self.sync)):
+                elastic.catch_up(self.member, self.sync, self.position, fresh=True,
+                                 reason="starting behind the run")
             return
         step = saved.step
         state = checkpoint.restore(self.ckpt_store, saved, self.island, self.opt)
@@ -243,13 +162,16 @@ class WorkerLoop:
         torch.set_rng_state(state["rng"])
         if self.sync is not None:
             self.sync.load_state_dict(state["sync"])
-        self.step, self.tokens = step, int(state["tokens"])
-        self.from_step = int(state.get("from_step", 0))
-        self.warm_from = state.get("warm_from")
+        pos = self.position
+        pos.step, pos.tokens = step, int(state["tokens"])
+        pos.from_step = int(state.get("from_step", 0))
+        pos.warm_from = state.get("warm_from")
         self.resumed_from = step
         log.info("worker %s: resumed from the checkpoint of step %d", self.worker, step)
-        if self.sync is not None and self.group.size == 1 and elastic.behind(self):
-            elastic.catch_up(self, fresh=False, reason="resumed behind the run")
+        if self.sync is not None and self.group.size == 1 and elastic.behind(self.member,
+                                                                             self.sync):
+            elastic.catch_up(self.member, self.sync, self.position, fresh=False,
+                             reason="resumed behind the run")
 
     def save(self) -> None:
         """The checkpoint of this step: rank 0 of an island (every rank of an fsdp
@@ -262,9 +184,9 @@ class WorkerLoop:
         rest = {
             "data": self.stream.state_dict(),
             "rng": torch.get_rng_state(),
-            "tokens": self.tokens,
-            "from_step": self.from_step,
-            "warm_from": self.warm_from,
+            "tokens": self.position.tokens,
+            "from_step": self.position.from_step,
+            "warm_from": self.position.warm_from,
             # not copied: nothing changes them until the checkpoint is written below
             "sync": self.sync.state_dict(copy=False) if self.sync is not None else None,
         } if commits else None
@@ -298,17 +220,17 @@ class WorkerLoop:
             raise
         except elastic.RunFinished as exc:  # a straggler or late restart: nothing left
             log.info("worker %s: %s", self.worker, exc)
-            self._status("finished", force=True, note=str(exc))
+            self.status("finished", force=True, note=str(exc))
             return self._result(time.perf_counter(), [], None)
         except MergeAbandoned as exc:
             # between an inner step and its merge: nothing consistent to save
             saved = checkpoint.latest_step(self.ckpt_store, self.worker) or 0
             log.warning("%s; resumes from step %d", exc, saved)
-            self._status("interrupted", force=True, error=None, resumes_from=saved,
+            self.status("interrupted", force=True, error=None, resumes_from=saved,
                          note=f"stopped while waiting for a mean; resumes from step {saved}")
             raise Interrupted(saved, saved=False) from exc
         except BaseException as exc:
-            self._status("failed", force=True, error=f"{type(exc).__name__}: {exc}")
+            self.status("failed", force=True, error=f"{type(exc).__name__}: {exc}")
             raise
 
     def _run(self) -> WorkerResult:
@@ -324,27 +246,28 @@ class WorkerLoop:
         eval_loss = None
         self.model.train()
         if self.group.leader or cfg.train.strategy == "data_parallel":
-            self.status.register(total_steps=total, strategy=cfg.train.strategy,
-                                 island=self.group.size if island > 1 else 1)
+            self.board.register(total_steps=total, strategy=cfg.train.strategy,
+                                island=self.group.size if island > 1 else 1)
         else:
-            self.status = None  # followers of an island stay silent
-        if elastic.leaving(self):
+            self.speaks = False  # followers of an island stay silent
+        pos = self.position
+        if elastic.leaving(self.member, self.sync):
             return self._leave(start, losses)
         halt = False  # an island stops together: the ranks decide after every step
         began, synced = None, 0.0
-        while self.step < total:
+        while pos.step < total:
             now = time.perf_counter()  # the step before, but its exchange (its waits)
             if began is not None:
-                self.pace.append(now - began - synced)
+                self.reporter.pace.append(now - began - synced)
             began, synced = now, 0.0
             if halt or (self.group.size == 1 and self.stop.is_set()):
                 losses.flush()
                 self.save()
-                self._status("interrupted", force=True, loss=losses[-1] if losses else None,
-                             resumes_from=self.step)
-                raise Interrupted(self.step)
-            step = self.step + 1
-            lr = lr_at(step, cfg, self.warm_from)
+                self.status("interrupted", force=True, loss=losses[-1] if losses else None,
+                            resumes_from=pos.step)
+                raise Interrupted(pos.step)
+            step = pos.step + 1
+            lr = lr_at(step, cfg, pos.warm_from)
             for group in self.opt.param_groups:
                 group["lr"] = lr
             loss_sum = inner_step(self.model, self.opt, self._batch, accum, cfg.optim.grad_clip,
@@ -357,7 +280,8 @@ class WorkerLoop:
                     self.sync.step(tokens=tokens_per_step)
                 except Behind as exc:
                     log.warning("%s", exc)
-                    if elastic.catch_up(self, fresh=False, reason="fell behind"):
+                    if elastic.catch_up(self.member, self.sync, pos, fresh=False,
+                                        reason="fell behind"):
                         continue  # this step's work is superseded by the canonical state
                     self.sync.step(tokens=tokens_per_step, heal=False)
                 except MergeAbandoned as exc:  # in an island every rank gives it up
@@ -366,8 +290,8 @@ class WorkerLoop:
                     abandoned = exc
             synced = time.perf_counter() - sync_from
             halt = self.island.decide(self.stop, abandoned)
-            self.step = step
-            self.tokens += tokens_per_step
+            pos.step = step
+            pos.tokens += tokens_per_step
             window_tokens += tokens_per_step
             self.island.scatter(merged)  # every rank takes the fragments rank 0 merged
             losses.add(loss_sum)
@@ -377,13 +301,13 @@ class WorkerLoop:
                 now = time.perf_counter()
                 self._report(step, loss_sum, lr, window_tokens / max(1e-9, now - window_start))
                 window_start, window_tokens = now, 0
-                self._status("running", loss=loss_sum, eval_loss=eval_loss)
+                self.status("running", loss=loss_sum, eval_loss=eval_loss)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != total:
                 eval_loss = evaluate(self.model, self.val, self.device)
                 self.metrics({"worker": self.worker, "step": step, "eval_loss": eval_loss})
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
                 self.save()
-            if elastic.leaving(self, step):
+            if elastic.leaving(self.member, self.sync, step):
                 return self._leave(start, losses)
 
         if island > 1:  # every fragment: finish merges whatever was outstanding
@@ -393,13 +317,13 @@ class WorkerLoop:
         eval_loss = evaluate(self.model, self.val, self.device)
         self.metrics({"worker": self.worker, "step": self.step, "eval_loss": eval_loss,
                       "final": True})
-        self._status("finished", force=True, loss=losses.flush()[-1] if losses else None,
-                     eval_loss=eval_loss)
+        self.status("finished", force=True, loss=losses.flush()[-1] if losses else None,
+                    eval_loss=eval_loss)
         return self._result(start, losses, eval_loss)
 
     def _result(self, start: float, losses: list[float], eval_loss: float | None,
                 state: str = "finished") -> WorkerResult:
-        up, down = self.moved()
+        up, down = self.reporter.moved()
         return WorkerResult(
             worker=self.worker, steps=self.step, tokens=self.tokens,
             seconds=time.perf_counter() - start,
@@ -412,44 +336,32 @@ class WorkerLoop:
 
     def _leave(self, start: float, losses: LossLog) -> WorkerResult:
         """``diloco leave``: at a merge point, commit, record, stop."""
-        elastic.leave(self)
+        elastic.leave(self.member, self.sync, self.step)
         losses.flush()
-        self._status("left", force=True, loss=losses[-1] if losses else None)
+        self.status("left", force=True, loss=losses[-1] if losses else None)
         if self.sync is not None:  # an island's other ranks have none
             self.sync.close()
         return self._result(start, losses, None, state="left")
 
     def _waiting(self, p: int, r: int, seconds: float) -> None:
         """A merge has waited long for a mean: the status says which and how long."""
-        self._status("running", force=True,
-                     waiting={"fragment": p, "round": r, "waited_s": round(seconds, 1)})
+        self.status("running", force=True,
+                    waiting={"fragment": p, "round": r, "waited_s": round(seconds, 1)})
 
-    def _status(self, state: str, force: bool = False, **fields: Any) -> None:
-        if self.status is None:
-            return
-        (up, down), bill = self.moved(), self.meter.figures()  # exchange bytes; the bill: all
-        self.status.update(
-            state, force=force, step=self.step, total_steps=self.cfg.train.steps,
-            tokens=self.tokens, bytes_up=up, bytes_down=down, **bill,
-            wait_s=self.sync.stats.wait_seconds if self.sync else 0.0, **report.taus(self.sync),
-            from_step=self.from_step, slot=getattr(getattr(self, "seat", None), "slot", None),
-            step_s=self.usual_step_s(),
-            rebases=self.sync.stats.rebases if self.sync else 0, **fields,
-        )
-
-    def usual_step_s(self) -> float | None:
-        """The median of the recent steps' seconds, their exchange left out (None
-        before ``PACE_STEPS // 2`` steps: a straggler is judged over many steps, not a
-        few noisy ones)."""
-        if len(self.pace) < PACE_STEPS // 2:
-            return None
-        return round(statistics.median(self.pace), 4)
+    def status(self, state: str, force: bool = False, **fields: Any) -> None:
+        """Write this worker's status (``state``, its position and figures, and
+        ``fields``); nothing from an island's followers once training started (rank 0
+        speaks for the island). Elastic membership writes through it too."""
+        if self.speaks:
+            self.reporter.status(state, position=self.position, sync=self.sync,
+                                 slot=self.seat.slot, force=force, **fields)
 
     def _report(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:
         m: dict[str, Any] = {
             "worker": self.worker, "step": step, "loss": loss, "lr": lr,
-            "tokens_per_s": tokens_per_s, "tokens": self.tokens, **self.meter.figures(),
-            **dict(zip(("bytes_up", "bytes_down"), self.moved(), strict=True)),
+            "tokens_per_s": tokens_per_s, "tokens": self.tokens,
+            **self.reporter.meter.figures(),
+            **dict(zip(("bytes_up", "bytes_down"), self.reporter.moved(), strict=True)),
         }
         if self.sync is not None:
             st = self.sync.stats
@@ -458,11 +370,6 @@ class WorkerLoop:
             m["late_means"] = st.late_means
             m.update(report.taus(self.sync, metrics=True))
         self.metrics(m)
-
-    def moved(self) -> tuple[int, int]:
-        """Exchange bytes up and down over every life of this worker (not checkpoints)."""
-        t, (up, down) = self.store.traffic, self.moved_before
-        return up + t.bytes_up, down + t.bytes_down
 
     def close(self) -> None:
         if self.sync is not None:
