@@ -6,6 +6,8 @@ function), so a new import that breaks a rule fails here with the file and line,
 before a reader meets it.
 
     cli -> flows -> tracking -> workers -> diloco -> storage
+
+And no module reaches into another object's private members (see `PRIVATE_RULE`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,65 @@ ROOMS = {
     "fsspec": {"storage", "workers"},
     "torch": {"diloco", "workers", "flows", "tracking", "cli"},
 }
+
+
+PRIVATE_RULE = """\
+In diloco/, storage/, workers/, flows/, cli/ and tracking/, an attribute access
+``X.name`` where ``name`` starts with one underscore (``_x``, and ``__x`` without the
+trailing pair; dunders like ``__dict__`` are public protocol) is allowed only when
+``X`` is ``self``, ``cls`` or ``super()``. Reading or writing any other object's
+``_name`` (another module's ``_helper``, another class's ``_field``, an outside
+library's internals) fails here, unless listed in PRIVATE_EXCEPTIONS with its reason.
+A module's own private functions and names, called bare (``_helper()``), are not
+attribute accesses and stay free. Make the member public, with a docstring, or pass a
+narrow part instead."""
+
+#: (file, the access as written) -> why it may stay.
+PRIVATE_EXCEPTIONS = {
+    ("storage/tied.py", "os._exit"): "the standard library's exit without cleanup",
+    ("workers/group_exit.py", "os._exit"): "the standard library's exit without cleanup",
+    ("flows/__init__.py", "os._exit"): "the standard library's exit without cleanup",
+    ("flows/worker.py", "os._exit"): "the standard library's exit without cleanup",
+    ("storage/backends.py", "type(fs)._strip_protocol"):
+        "fsspec's classmethod for a path without its protocol (its documented API)",
+    ("storage/backends.py", "fs._call_s3"):
+        "s3fs's one way to call an S3 operation it wraps no method for",
+    ("storage/multipart.py", "fs._call_s3"):
+        "s3fs's one way to call an S3 operation it wraps no method for (multipart, "
+        "conditional writes)",
+    ("storage/multipart.py", "fs._cat_file"):
+        "fsspec's async API: its coroutines are the underscored names",
+    ("storage/objectstore.py", "self._fs._pipe_file"):
+        "fsspec's async API: its coroutines are the underscored names",
+    **{("storage/objectstore.py", f"view.{name}"):
+       "ObjectStore.child builds another ObjectStore: the class's own fields"
+       for name in ("_kind", "_traffic_prefix", "_fs", "_root")},
+    ("flows/server.py", "base._instances"):
+        "Prefect's registry of its server subprocesses; it has no public one, and "
+        "tying the server to this process must replace its default entry",
+    ("tracking/parent_run.py", "meta.source._get_source_type"):
+        "MLflow's Dataset entity needs the source type and DatasetSource offers it "
+        "only so",
+}
+
+
+def _private_accesses(path: Path) -> list[tuple[str, int]]:
+    """(the access as written, line) of every access in ``path`` against
+    `PRIVATE_RULE`."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        if node.attr.startswith("__") and node.attr.endswith("__"):
+            continue  # a dunder: public protocol
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            continue
+        if (isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name)
+                and owner.func.id == "super"):
+            continue
+        out.append((ast.unparse(node), node.lineno))
+    return out
 
 
 def _imports(path: Path) -> list[tuple[str, int]]:
@@ -154,6 +215,21 @@ def test_no_product_file_is_over_500_lines_without_saying_why(pkg: str) -> None:
     assert not long, f"split these by job, or say in the docstring why not: {long}"
 
 
+def test_no_module_reaches_into_another_objects_private_members() -> None:
+    wrong, used = [], set()
+    for files in _product_files().values():
+        for path in files:
+            rel = path.relative_to(ROOT).as_posix()
+            for access, line in _private_accesses(path):
+                if (rel, access) in PRIVATE_EXCEPTIONS:
+                    used.add((rel, access))
+                else:
+                    wrong.append(f"{rel}:{line} {access}")
+    assert not wrong, PRIVATE_RULE + "\n\nagainst it:\n" + "\n".join(sorted(wrong))
+    stale = sorted(f"{f}: {a}" for f, a in set(PRIVATE_EXCEPTIONS) - used)
+    assert not stale, f"exceptions no longer needed (remove them): {stale}"
+
+
 def test_the_rules_catch_what_they_should(tmp_path: Path) -> None:
     """The checks above would see a violation (they are not vacuous)."""
     bad = tmp_path / "bad.py"
@@ -161,3 +237,9 @@ def test_the_rules_catch_what_they_should(tmp_path: Path) -> None:
                    "    import mlflow.entities\n")
     found = {m for m, _ in _imports(bad)}
     assert {"benchmarks", "benchmarks.run_all", "mlflow.entities"} <= found
+    nosy = tmp_path / "nosy.py"
+    nosy.write_text("class A(B):\n    def f(self, loop):\n        self._x = cls._y\n"
+                    "        super()._z()\n        loop.__dict__, loop.__x\n"
+                    "        loop._status('running')\n        return self.a._b, _helper()\n")
+    assert sorted(a for a, _ in _private_accesses(nosy)) == [
+        "loop.__x", "loop._status", "self.a._b"]
