@@ -19,7 +19,8 @@ from rich.table import Table
 
 from cli.console import fail, user_errors
 from diloco import arithmetic as ar
-from diloco.config import SyncConfig, nest_flat_keys
+from diloco.config import SyncConfig
+from diloco.flat_keys import nest_flat_keys
 from storage.traffic import human_bytes
 
 DEFAULT_PROVIDERS = ["aws", "gcp", "azure", "cloudflare"]

@@ -23,7 +23,8 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from diloco.config import FLAT_KEYS, SyncConfig, nest_flat_keys
+from diloco.config import SyncConfig
+from diloco.flat_keys import FLAT_KEYS, nest_flat_keys
 from storage.codecs import CODEC_NAMES
 from workers.config import RunConfig
 from workers.model import PRESETS, ModelConfig

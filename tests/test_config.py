@@ -10,7 +10,8 @@ import warnings
 import pytest
 from pydantic import ValidationError
 
-from diloco.config import FLAT_KEYS, DeprecatedKey, SyncConfig
+from diloco.config import DeprecatedKey, SyncConfig
+from diloco.flat_keys import FLAT_KEYS
 from workers.config import ConfigError, load_config
 
 # -- invalid combinations --------------------------------------------------------------------

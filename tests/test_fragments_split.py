@@ -16,7 +16,8 @@ from test_aggregator import state_hash, with_kills
 
 from diloco.aggregator import Aggregator
 from diloco.bootstrap import canonical_after
-from diloco.config import FLAT_KEYS, SyncConfig
+from diloco.config import SyncConfig
+from diloco.flat_keys import FLAT_KEYS
 from diloco.run import load_canonical, open_run, plan_for
 from diloco.synchronizer import Synchronizer
 from replicas import Blocks, data, train_replicas

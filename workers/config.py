@@ -25,7 +25,8 @@ from pydantic import (
     model_validator,
 )
 
-from diloco.config import DeprecatedKey, SyncConfig, nest_flat_keys
+from diloco.config import DeprecatedKey, SyncConfig
+from diloco.flat_keys import nest_flat_keys
 from storage import layout
 from storage.backends import open_backend, refuse_credentials, safe_url
 from workers.hf_config import from_hf_config
