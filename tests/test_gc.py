@@ -26,6 +26,27 @@ def diloco(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Compl
                           text=True, capture_output=True, timeout=timeout)
 
 
+@pytest.fixture
+def cli(in_process, monkeypatch):
+    """``diloco ARGS`` as `diloco` above, but in this process (no start-up of a
+    command per call; `diloco run` and `resume` stay processes): cwd ``tmp_path``,
+    a clean environment. An exception the command did not turn into its one-line
+    error fails here (a process would print its traceback)."""
+    from cli.app import app
+
+    monkeypatch.setenv("COLUMNS", "120")
+    monkeypatch.setenv("MLFLOW_TRACKING", "0")
+
+    def run(args: list[str]) -> subprocess.CompletedProcess:
+        result = in_process.invoke(app, args)
+        assert result.exception is None or isinstance(result.exception, SystemExit), (
+            args, result.exception, result.stdout, result.stderr)
+        return subprocess.CompletedProcess(["diloco", *args], result.exit_code,
+                                           result.stdout, result.stderr)
+
+    return run
+
+
 def files(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
 
@@ -59,16 +80,16 @@ def deltas(run: Path) -> dict[tuple[int, int], list[str]]:
     return found
 
 
-def test_a_dry_run_deletes_nothing_and_apply_keeps_what_an_audit_needs(run, tmp_path):
+def test_a_dry_run_deletes_nothing_and_apply_keeps_what_an_audit_needs(run, cli):
     before = files(run)
     assert len(list(run.glob("workers/*/ckpt/*.json"))) == 6  # 3 per worker
-    dry = diloco(["gc", run.name], tmp_path)
+    dry = cli(["gc", run.name])
     assert dry.returncode == 0, dry.stderr
     assert "dry run: nothing deleted" in dry.stdout and f"diloco gc {run.name} --apply" in dry.stdout
     assert "worker checkpoints" in dry.stdout and "finished" in dry.stdout
     assert files(run) == before
 
-    applied = diloco(["gc", run.name, "--apply"], tmp_path)
+    applied = cli(["gc", run.name, "--apply"])
     assert applied.returncode == 0, applied.stderr
     after = files(run)
     # a finished run is not resumed: no worker checkpoint is left
@@ -85,13 +106,13 @@ def test_a_dry_run_deletes_nothing_and_apply_keeps_what_an_audit_needs(run, tmp_
     assert all(len(v) == 2 for v in got.values())  # both workers' payloads of those
     assert sum(after.values()) < sum(before.values())
     # the run reads as before
-    status = diloco(["status", run.name], tmp_path)
+    status = cli(["status", run.name])
     assert status.returncode == 0 and "finished" in status.stdout, status.stderr
-    again = diloco(["gc", run.name], tmp_path)
+    again = cli(["gc", run.name])
     assert again.returncode == 0 and "nothing to delete" in again.stdout, again.stdout
 
 
-def test_contributions_all_keeps_every_payload_and_orphans_go(run, tmp_path):
+def test_contributions_all_keeps_every_payload_and_orphans_go(run, cli):
     count = sum(len(v) for v in deltas(run).values())
     orphan = run / "frag" / "0" / "r000000" / "delta" / "region-a" / "0badc0ffee00"
     orphan.mkdir()
@@ -99,13 +120,13 @@ def test_contributions_all_keeps_every_payload_and_orphans_go(run, tmp_path):
     unfinished = run / "global" / "frag" / "0" / "r000000"  # a write that never committed
     unfinished.mkdir(parents=True, exist_ok=True)
     (unfinished / "x").write_text("partial")
-    out = diloco(["gc", run.name, "--apply", "--contributions", "all"], tmp_path)
+    out = cli(["gc", run.name, "--apply", "--contributions", "all"])
     assert out.returncode == 0, out.stderr
     assert not orphan.exists() and not unfinished.exists()
     assert sum(len(v) for v in deltas(run).values()) == count
 
 
-def test_gc_of_a_run_that_can_resume_keeps_what_resume_needs(run, tmp_path):
+def test_gc_of_a_run_that_can_resume_keeps_what_resume_needs(run, tmp_path, cli):
     """region-b did not finish (as after a crash): its newest checkpoint, every payload,
     and orphans (a writer may be about to commit one) stay; the resume then finishes."""
     status = run / "members" / "region-b" / "status.json"
@@ -118,7 +139,7 @@ def test_gc_of_a_run_that_can_resume_keeps_what_resume_needs(run, tmp_path):
     plan = collecting.plan(open_run(ObjectStore(str(run))), keep_worker=1)
     assert not plan.finished
     assert {d.kind for d in plan.deletions} == {"worker checkpoints"}
-    out = diloco(["gc", run.name, "--apply", "--worker-checkpoints", "1"], tmp_path)
+    out = cli(["gc", run.name, "--apply", "--worker-checkpoints", "1"])
     assert out.returncode == 0, out.stderr
     assert "not finished" in out.stdout
     for worker in ("region-a", "region-b"):
@@ -131,11 +152,11 @@ def test_gc_of_a_run_that_can_resume_keeps_what_resume_needs(run, tmp_path):
     assert json.loads(status.read_text())["state"] == "finished"
 
 
-def test_bad_input_is_one_line(run, tmp_path):
-    out = diloco(["gc", run.name, "--contributions", "-1"], tmp_path)
+def test_bad_input_is_one_line(run, cli):
+    out = cli(["gc", run.name, "--contributions", "-1"])
     assert out.returncode == 2 and "--contributions -1" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
-    missing = diloco(["gc", "nothere"], tmp_path)
+    missing = cli(["gc", "nothere"])
     assert missing.returncode == 2 and "no run" in missing.stderr, missing.stderr
 
 
