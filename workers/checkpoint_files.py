@@ -9,26 +9,29 @@ refused in one line (`ObjectMissing`, `CorruptObject`) instead of being loaded.
 
 The check before reading is a full pass over the file (a second read of it); DCP
 reads a file item by item, in no fixed order, so it cannot hash on the fly.
+
+DCP is imported at the first writer or reader made here, not with this module: its
+import (which pulls in FSDP and DTensor) would cost every worker process start-up
+time and memory before, or without, its first checkpoint.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
-from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint._fsspec_filesystem import (
-    FileSystem,
-    FsspecReader,
-    FsspecWriter,
-)
 
 from storage.errors import CorruptObject, ObjectMissing, StoreError
 from storage.objectstore import ObjectStore
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import CheckpointException
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 #: a file's entry in a commit record: {"size": bytes, "sha256": hex digest}
 FileRecord = dict[str, Any]
@@ -55,10 +58,11 @@ class _Hashing:
         return getattr(self._stream, name)
 
 
-class PinnedFiles(FileSystem):
-    """torch's fsspec adapter on ``store``'s filesystem that records each file it
-    writes (`written`: name -> size and sha256) and, given ``expected`` (a commit
-    record's files), verifies each file before it is read."""
+class Pinning:
+    """What `pinned_files` adds to torch's fsspec adapter (its ``FileSystem``, the
+    next class in the MRO) on ``store``'s filesystem: it records each file it writes
+    (`written`: name -> size and sha256) and, given ``expected`` (a commit record's
+    files), verifies each file before it is read."""
 
     def __init__(self, store: ObjectStore, key: str, expected: dict[str, FileRecord] | None = None):
         super().__init__()
@@ -112,15 +116,26 @@ class PinnedFiles(FileSystem):
         self._verified.add(name)
 
 
+@functools.cache
+def pinned_files() -> type:
+    """The class `Pinning` on torch's fsspec ``FileSystem``: made, and DCP imported,
+    at the first call."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem  # noqa: PLC0415
+
+    return type("PinnedFiles", (Pinning, FileSystem), {"__module__": __name__})
+
+
 def new_writer(store: ObjectStore, key: str) -> FsspecWriter:
     """A DCP writer into the new directory ``key`` of ``store``: one file per rank plus
     the coordinator's ``.metadata``; what it wrote is in ``writer.fs.written``. Files
     on a local disk are fsynced; an object store's upload is durable once it returns
     (and DCP, finding no file descriptor there, would ``os.sync()`` the whole host)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # noqa: PLC0415
+
     protocols = store.fs.protocol if isinstance(store.fs.protocol, tuple) else (store.fs.protocol,)
     writer = FsspecWriter(store.fs_path(key), single_file_per_rank=True, overwrite=False,
                           sync_files="file" in protocols)
-    writer.fs, writer.path = PinnedFiles(store, key), store.fs_path(key)
+    writer.fs, writer.path = pinned_files()(store, key), store.fs_path(key)
     return writer
 
 
@@ -131,8 +146,10 @@ def new_reader(store: ObjectStore, key: str, files: dict[str, FileRecord] | None
     file is checked for its size (one stat each) and ``.metadata`` for its sha256, so
     a missing or truncated shard, or a wrong index of them, is refused up front in
     one line (DCP would bury it in a report of every rank's tracebacks)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: PLC0415
+
     reader = FsspecReader(store.fs_path(key))
-    reader.fs, reader.path = PinnedFiles(store, key, files), store.fs_path(key)
+    reader.fs, reader.path = pinned_files()(store, key, files), store.fs_path(key)
     if files is not None:
         for name, want in sorted(files.items()):
             size = store.size(f"{key}/{name}")  # ObjectMissing names the file

@@ -23,7 +23,9 @@ Every island writes its checkpoint's tensors with torch.distributed.checkpoint
 the model and the AdamW state, rank 0 adding the rest of the worker's state (outer
 state, synchroniser, data position), which it commits after every rank has finished;
 any other island, the one process that saves, all of it. A resume reads them back
-into any number of ranks, one process included.
+into any number of ranks, one process included. FSDP2, DTensor and DCP are imported
+where they are first used (a sharded island built, a checkpoint saved or loaded), so a
+worker does not pay their import at start-up.
 """
 
 from __future__ import annotations
@@ -34,20 +36,12 @@ import threading
 import warnings
 from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from tenacity import RetryCallState
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 from diloco.fragments import FragmentPlan, find_blocks
 from diloco.inflight import MergeAbandoned
@@ -56,6 +50,9 @@ from diloco.schedule import Schedule
 from storage.objectstore import ObjectStore
 from storage.retry import OutagePolicy, is_transient
 from workers import checkpoint_files
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import CheckpointException
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +179,11 @@ class Island:
         parameter name, a sharded island's as DTensors). Before the optimizer's first
         step it has no state and none is saved: ``get_state_dict`` would make some by
         taking a step, and a resume would not be the uninterrupted run."""
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+            get_model_state_dict,
+            get_state_dict,
+        )
+
         if not optimizer:
             return {"model": get_model_state_dict(self.model)}
         model_sd, opt_sd = get_state_dict(self.model, opt)
@@ -195,6 +197,8 @@ class Island:
         their sizes and sha256, on every rank). A sharded island's ranks all call it (a
         collective: when it returns every rank's files and the ``.metadata`` are
         written, or every rank raises); any other island's one saving process alone."""
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
         state = self._state_dicts(opt, optimizer=bool(opt.state))
         if extra:
             state["worker"] = extra
@@ -243,6 +247,8 @@ class Island:
             return self.save_state(opt, store, box[0], extra)
 
         def worth_retrying(exc: BaseException) -> bool:
+            from torch.distributed.checkpoint import CheckpointException  # noqa: PLC0415
+
             return isinstance(exc, CheckpointException) and _transient(exc)
 
         retrying = OutagePolicy(patience_s=patience_s, pause_s=pause_s).retrying(
@@ -271,6 +277,13 @@ class Island:
         `save_state` entry; every rank of a sharded island, each reading what it
         holds: the ranks that wrote it may have been more or fewer); ``extra``: empty
         tensors of the rest of the worker's state, returned filled."""
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+        from torch.distributed.checkpoint import CheckpointException  # noqa: PLC0415
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+            set_model_state_dict,
+            set_state_dict,
+        )
+
         with_opt = ref.get("optimizer", True)  # False: saved before the first step
         state = self._state_dicts(opt, optimizer=with_opt)
         if extra:
@@ -352,12 +365,22 @@ class ShardedIsland(Island):
         """Every rank (a collective): the model's and the inner optimizer's whole state,
         on rank 0's CPU (other ranks get empty dicts), keyed by parameter name (what
         checkpoints held before they were sharded; tests compare with it)."""
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+            StateDictOptions,
+            get_state_dict,
+        )
+
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_state_dict(self.model, opt, options=opts)
 
     def load_whole(self, opt: torch.optim.Optimizer, model_sd: dict, opt_sd: dict) -> None:
         """Every rank: restore the sharded model and optimizer from whole state dicts
         (each rank keeps its shards): a legacy checkpoint from before they were sharded."""
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+            StateDictOptions,
+            set_state_dict,
+        )
+
         set_state_dict(self.model, opt, model_state_dict=model_sd, optim_state_dict=opt_sd,
                        options=StateDictOptions(full_state_dict=True))
 
