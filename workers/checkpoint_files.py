@@ -84,6 +84,14 @@ class Pinning:
             yield hashing
         self.written[name] = {"size": hashing.size, "sha256": hashing.sha.hexdigest()}
 
+    def mkdir(self, path: str | os.PathLike) -> None:
+        """A directory on a local disk (or in memory); nothing on an object store, which
+        has none: s3fs's ``makedirs`` asks ``HeadBucket`` and, refused it as a worker's
+        role is, tries ``CreateBucket``, which the role may not do either."""
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        if {"file", "local", "memory"} & set(protocols):
+            super().mkdir(path)
+
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         """DCP writes ``.metadata`` under a temporary name first; its record follows."""
         super().rename(path, new_path)
