@@ -8,15 +8,18 @@ import time
 import uuid
 
 import pytest
+from test_trust import make_run, vec
 
 from diloco.aggregator import Aggregator
 from diloco.audit import audit
+from diloco.config import SyncConfig
 from diloco.membership import MembershipError, request_leave
 from diloco.run import open_run
 from storage import layout
 from storage.objectstore import ObjectStore
 from workers.config import load_config
 from workers.data.prepare import prepare_data
+from workers.elastic import last_sent
 from workers.loop import WorkerLoop
 from workers.runs import create_run
 
@@ -263,3 +266,20 @@ def test_a_leave_check_the_store_keeps_failing_does_not_stop_training(caplog):
     with caplog.at_level("WARNING", logger="workers.elastic"):
         assert elastic.asked_to_leave(loop) is False
     assert "read again at the next merge" in caplog.text
+
+
+def test_a_leave_record_names_the_rounds_committed_before_a_crash():
+    """A worker killed after its leave request resumes from an older checkpoint and
+    leaves at once: its synchroniser has sent less than the store holds. The record
+    names the newest round committed per fragment, so no mean that holds its
+    contribution comes after the round it says it left after."""
+    cfg = SyncConfig(schedule={"mode": "streaming", "sync_every": 4, "fragments": 2})
+    _, ex = make_run(cfg, steps=16)
+    for r in range(3):  # fragment 0: rounds 0..2 committed; fragment 1: round 0 only
+        ex.publish_delta(0, r, "w0", vec(ex, 0.1, 0), tokens=10)
+    ex.publish_delta(1, 0, "w0", vec(ex, 0.1, 1), tokens=10)
+    ex.publish_delta(1, 2, "w0", vec(ex, 0.1, 1), tokens=10)  # a gap: not contiguous
+    assert last_sent(ex, "w0", [0, 0]) == [2, 0]
+    assert last_sent(ex, "w0", [-1, -1]) == [2, 0]
+    assert last_sent(ex, "w1", [-1, 1]) == [-1, 1]  # nothing of w1's in the store
+    assert last_sent(ex, "w0", [3, 3]) == [3, 3]  # what it sent stands

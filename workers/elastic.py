@@ -220,6 +220,20 @@ def already_left(member: Member) -> bool:
     return has_left(member.store, member.worker)
 
 
+def last_sent(exchange: Exchange, worker: str, sent: list[int]) -> list[int]:
+    """Per fragment, the newest round ``worker`` has a contribution committed for:
+    ``sent`` (what its synchroniser sent), or later where the store holds more. A
+    worker killed after its leave request resumes from an older checkpoint and
+    leaves at once; the rounds it committed before the kill may be in means already,
+    and its record must not say it left before them."""
+    out = []
+    for p, r in enumerate(sent):
+        while r + 1 < exchange.manifest.rounds[p] and worker in exchange.committed_workers(p, r + 1):
+            r += 1
+        out.append(r)
+    return out
+
+
 def leave(member: Member, sync: Synchronizer | None, step: int) -> None:
     """Commit what was sent, record the last rounds (one per fragment), say ``left``."""
     if not member.group.leader:
@@ -227,7 +241,7 @@ def leave(member: Member, sync: Synchronizer | None, step: int) -> None:
     last = [-1] * len(member.exchange.manifest.fragments)
     if sync is not None:
         sync.inflight.drain()  # every round sent is committed before the record
-        last = [r - 1 for r in sync.next_rounds]
+        last = last_sent(member.exchange, member.worker, [r - 1 for r in sync.next_rounds])
     record_left(member.store, member.worker, last, step)
     log.info("worker %s: left the run after step %d (last rounds %s)", member.worker,
              step, last)
