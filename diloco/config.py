@@ -25,6 +25,8 @@ runs keep resuming.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -62,6 +64,15 @@ NORM_GUARD_PARAMS = 20.0
 
 class DeprecatedKey(FutureWarning):
     """A flat ``sync`` key of an earlier version; the message names the new key."""
+
+
+@contextmanager
+def quiet_deprecations() -> Iterator[None]:
+    """Read flat keys without their `DeprecatedKey` lines: a stored manifest of an old
+    run, or a second validation of what was already reported once."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecatedKey)
+        yield
 
 
 class _Section(BaseModel):
@@ -364,8 +375,7 @@ class SyncConfig(BaseModel):
     def stored(cls, data: dict[str, Any]) -> SyncConfig:
         """The config stored in a run manifest, whatever version wrote it (flat keys
         are an old run's, not a user's to fix: no warning)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecatedKey)
+        with quiet_deprecations():
             return cls(**data)
 
     @model_validator(mode="after")

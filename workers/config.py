@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from diloco.config import DeprecatedKey, SyncConfig
+from diloco.config import DeprecatedKey, SyncConfig, quiet_deprecations
 from diloco.flat_keys import nest_flat_keys
 from storage import layout
 from storage.backends import open_backend, refuse_credentials, safe_url
@@ -282,8 +282,7 @@ class RunConfig(_Strict):
     def stored(cls, data: dict[str, Any]) -> RunConfig:
         """The config stored in a run manifest, whatever version wrote it: an old run's
         flat ``sync`` keys are read without the deprecation warning a recipe gets."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecatedKey)
+        with quiet_deprecations():
             return cls.model_validate(data)
 
     @property
@@ -392,8 +391,7 @@ def load_config(
             warnings.simplefilter("always", DeprecatedKey)
             cfg = RunConfig.model_validate(tree)
     except ValidationError as exc:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecatedKey)
+        with quiet_deprecations():
             where = _blamed(recipe, overrides or [], where)
         lines = []
         for err in exc.errors():
