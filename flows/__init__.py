@@ -6,8 +6,10 @@ must not outlive it. Python imports this package before the job's own module, so
 the launcher's pid is noted here, before Prefect, torch and MLflow take seconds to
 import: a launcher that dies during those imports is still noticed. The launcher
 passes its pid in ``DILOCO_LAUNCHER_PID``; if the parent is another process (or
-init) already, the launcher died before the job even started, and the job exits
-at once with status 143 (stopped), having written nothing.
+init, when no pid was passed) already, the launcher died before the job even
+started, and the job exits at once with status 143 (stopped), having written
+nothing. A launcher may itself be pid 1: `docker run IMAGE diloco run`, or a
+container of a docker work pool running its flow run.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def _note_launcher() -> int | None:
         return None
     parent = os.getppid()
     expected = os.environ.pop("DILOCO_LAUNCHER_PID", "")
-    if parent == 1 or (expected.isdigit() and int(expected) != parent):
+    orphaned = int(expected) != parent if expected.isdigit() else parent == 1
+    if orphaned:
         sys.stderr.write(f"the launcher (pid {expected or '?'}) is gone before this job "
                          f"started; exiting\n")
         sys.stderr.flush()
