@@ -57,6 +57,8 @@ from storage.traffic import TrafficCounter
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+#: How often a memory listing is copied again when another writer changed the dict.
+_MEMORY_LIST_TRIES = 50
 
 
 class ObjectStore:
@@ -449,10 +451,18 @@ class ObjectStore:
         return int(info["size"]) if info.get("type") == "file" else None
 
     def _find_raw(self, base: str, detail: bool = False) -> Any:
-        try:
-            return self._fs.find(base, detail=True) if detail else list(self._fs.find(base))
-        except (FileNotFoundError, NotADirectoryError):
-            return {} if detail else []
+        for _ in range(_MEMORY_LIST_TRIES):
+            try:
+                return self._fs.find(base, detail=True) if detail else list(self._fs.find(base))
+            except (FileNotFoundError, NotADirectoryError):
+                return {} if detail else []
+            except RuntimeError as exc:
+                # fsspec's memory listing copies the process-wide dict; a writer that
+                # does not go through this class (torch DCP's fsspec writer, zarr)
+                # can change it meanwhile. The copy is retried, never half-used.
+                if self._kind != "memory" or "changed size during iteration" not in str(exc):
+                    raise
+        raise RuntimeError(f"listing {base} in memory kept changing under it")
 
     def _delete_raw(self, base: str, paths: list[str]) -> None:
         try:

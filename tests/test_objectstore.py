@@ -146,6 +146,31 @@ def test_list_is_recursive_relative_and_sorted(make_store):
     assert store.list("nothing/here") == []
 
 
+def test_a_memory_listing_survives_a_writer_outside_the_store(monkeypatch):
+    """torch DCP's fsspec writer puts checkpoint files into the memory dict without
+    this class's lock; a listing whose copy of the dict it disturbed is taken again
+    (once, it crashed the aggregator thread of an in-process run)."""
+    import uuid
+
+    store = ObjectStore(f"memory://diloco-test-{uuid.uuid4().hex}")
+    store.put("a/1", b"x")
+    real, disturbed = store._fs.find, []
+
+    def find(*args: Any, **kwargs: Any) -> Any:
+        if not disturbed:
+            disturbed.append(True)
+            store._fs.pipe(store.fs_path("a/2"), b"y")  # the outside writer
+            raise RuntimeError("dictionary changed size during iteration")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store._fs, "find", find)
+    assert store.list("a") == ["a/1", "a/2"]
+    monkeypatch.setattr(store._fs, "find", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("something else")))
+    with pytest.raises(RuntimeError, match="something else"):
+        store.list("a")
+
+
 def test_delete_prefix(make_store):
     store = make_store()
     for key in ["run/a/1", "run/a/2/3", "run/ab/4", "other"]:
