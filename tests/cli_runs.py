@@ -7,6 +7,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+try:  # tests/ is on sys.path under pytest's default import mode
+    from prefect_home import prefect_home
+except ImportError:  # tests imported as a package
+    from tests.prefect_home import prefect_home
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # The tiny recipe, shortened: a micro model, 24 steps, a part of the corpus.
@@ -20,13 +25,19 @@ SHORT = [
 ]
 
 
-def clean_env(home: Path, **extra: str) -> dict[str, str]:
+def clean_env(home: Path, *, fresh_prefect: bool = False, **extra: str) -> dict[str, str]:
     """No Prefect server configured (the embedded default), a PREFECT_HOME of our own,
-    no credentials or tracking settings from the caller's environment."""
+    no credentials or tracking settings from the caller's environment.
+
+    The home holds a Prefect database already made (tests/prefect_home.py: the
+    temporary server then starts in a third of the CPU); ``fresh_prefect``: an empty
+    home, as on a user's first run."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PREFECT_", "MLFLOW_", "DILOCO_", "AWS_"))}
-    env.update(PREFECT_HOME=str(home / "prefect-home"), COLUMNS="120", PYTHONPATH=str(ROOT),
-               **extra)
+    prefect = home / "prefect-home"
+    if not fresh_prefect:
+        prefect_home(prefect)
+    env.update(PREFECT_HOME=str(prefect), COLUMNS="120", PYTHONPATH=str(ROOT), **extra)
     return env
 
 

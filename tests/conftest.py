@@ -61,11 +61,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import boto3
-import fsspec
-import pytest
+# One torch thread per process, set before anything imports torch, and inherited by
+# every job a test starts: the suite runs two pytest workers on two cores, each
+# starting jobs, and more OpenMP threads than cores only spin (the tiny recipe's jobs
+# already take train.threads=1). 47 s instead of 69 s for tests/test_worker.py and
+# tests/test_numerics.py on two cores; the numerics compare runs of one process.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from storage.objectstore import ObjectStore, RetryPolicy
+import boto3  # noqa: E402
+import fsspec  # noqa: E402
+import pytest  # noqa: E402
+
+from storage.objectstore import ObjectStore, RetryPolicy  # noqa: E402
 
 try:  # tests/ is on sys.path under pytest's default import mode
     from s3server import DUMMY_KEY, DUMMY_SECRET, REGION, MotoS3Server, SeaweedS3Server

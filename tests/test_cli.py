@@ -30,7 +30,7 @@ def diloco(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300
 def main_run(tmp_path_factory):
     """`diloco run` with the tiny recipe shortened: what it printed and where."""
     cwd = tmp_path_factory.mktemp("user")
-    out = diloco(["run", *SHORT], cwd, clean_env(cwd))
+    out = diloco(["run", *SHORT], cwd, clean_env(cwd, fresh_prefect=True))  # a first run
     return cwd, out
 
 

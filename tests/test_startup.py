@@ -91,7 +91,7 @@ def test_a_missing_bucket_is_named_before_anything_starts(s3_env, data_url, tmp_
     the command that creates it, exit 2, in seconds, and nothing started or written
     (it used to start the flow and fail 33 s later with 60 lines of traceback)."""
     bucket = f"diloco-missing-{uuid.uuid4().hex[:12]}"
-    env = clean_env(tmp_path, **s3_env)
+    env = clean_env(tmp_path, fresh_prefect=True, **s3_env)  # nothing in tmp_path
     start = time.monotonic()
     out = subprocess.run([DILOCO, "run", *SHORT, "--set", "train.steps=16", "--set",
                           f"data.dataset={data_url}", "--set", f"store=s3://{bucket}/runs"],
@@ -110,7 +110,7 @@ def test_a_missing_bucket_is_named_before_anything_starts(s3_env, data_url, tmp_
 def test_every_entry_point_names_a_missing_bucket(s3_env, tmp_path, command):
     bucket = f"diloco-missing-{uuid.uuid4().hex[:12]}"
     url = f"s3://{bucket}/runs/tiny-20260101-120000"
-    env = clean_env(tmp_path, DILOCO_TRACKING="off", **s3_env)
+    env = clean_env(tmp_path, fresh_prefect=True, DILOCO_TRACKING="off", **s3_env)
     if command == "resume":
         out = subprocess.run([DILOCO, "resume", url], cwd=tmp_path, env=env, text=True,
                              capture_output=True, timeout=120)
