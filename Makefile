@@ -1,6 +1,6 @@
 # The two commands of the README. Each sets everything up first (scripts/setup is a
 # no-op when .venv is current).
-.PHONY: setup run test lint bench check-image local-s3 rehearse
+.PHONY: setup run test containers lint bench check-image local-s3 rehearse
 
 setup:
 	scripts/setup
@@ -17,6 +17,12 @@ local-s3: setup
 test: setup
 	.venv/bin/ruff check .
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile
+
+# The tests that build the image and run it in a Docker engine of their own (as root;
+# scripts/docker-engine installs Debian's docker.io where dockerd is missing). Not in
+# `make test`: a cold build takes minutes. docs/image.md#the-container-tests
+containers: setup
+	.venv/bin/python -m pytest -q -m containers
 
 bench: setup
 	.venv/bin/python -m benchmarks.bench_codecs
