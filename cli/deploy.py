@@ -32,6 +32,9 @@ def deploy(
     pool_type: Annotated[PoolType | None, typer.Option(
         help="type of the pools it creates (default process); docker and kubernetes "
         "pools get the templates of infra/pools/, one pool per region")] = None,
+    image: Annotated[str | None, typer.Option(
+        help="the image of the docker or kubernetes pools it creates (default "
+        "diloco-flows:latest; scripts/docker-image tags localhost/diloco-flows:latest)")] = None,
 ) -> None:
     """Create the deployments of infra/prefect.yaml (train, a worker per region,
     aggregator) on the Prefect server at $PREFECT_API_URL."""
@@ -39,9 +42,11 @@ def deploy(
     if prefect_file is not None and not prefect_file.is_file():
         raise fail(f"--file {prefect_file}: no such file")
     kind = pool_type.value if pool_type else None
+    if image is not None and kind in (None, "process"):
+        raise fail("--image is for docker and kubernetes pools (--pool-type docker)")
 
     def template_for(pool: str) -> dict | None:
-        return shipped.pool_template(kind or "process", pool)
+        return shipped.pool_template(kind or "process", pool, image=image)
 
     try:
         with console.status(f"deploying {path} ..."):

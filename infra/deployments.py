@@ -36,12 +36,14 @@ def credentials_secret(pool: str) -> str:
     return f"diloco-{pool}"
 
 
-def pool_template(pool_type: str, pool: str) -> dict[str, Any] | None:
+def pool_template(pool_type: str, pool: str, image: str | None = None) -> dict[str, Any] | None:
     """The base job template of region ``pool``'s work pool of ``pool_type``, or
     None for a process pool (Prefect's default template serves it).
 
     One file per type serves every region: the default of the credentials variable
     is made the region's own here, so two regions never share a Secret by accident.
+    ``image``, when given, is the default image of the pool's jobs (a local build's
+    tag, ``localhost/diloco-flows:latest``, or a registry's).
     """
     if pool_type not in POOL_TYPES:
         raise TemplateError(f"pool type {pool_type!r} is not one of: {', '.join(POOL_TYPES)}")
@@ -55,4 +57,6 @@ def pool_template(pool_type: str, pool: str) -> dict[str, Any] | None:
     variable = template.get("variables", {}).get("properties", {}).get(CREDENTIALS_VARIABLE)
     if variable is not None:
         variable["default"] = credentials_secret(pool)
+    if image:
+        template["variables"]["properties"]["image"]["default"] = image
     return template

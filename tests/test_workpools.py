@@ -92,6 +92,17 @@ def test_kubernetes_jobs_take_credentials_from_their_regions_secret():
     assert pool_template("process", "region-a") is None  # Prefect's default template
 
 
+def test_deploy_image_sets_the_pools_default_image():
+    """`diloco deploy --image TAG`: the default image of the docker and kubernetes pools
+    it creates (a local build's tag, localhost/diloco-flows:latest); nothing else."""
+    for kind in ("docker", "kubernetes"):
+        props = pool_template(kind, "region-a", image="localhost/diloco-flows:latest")[
+            "variables"]["properties"]
+        assert props["image"]["default"] == "localhost/diloco-flows:latest"
+        assert pool_template(kind, "region-a")["variables"]["properties"]["image"][
+            "default"] == "diloco-flows:latest"
+
+
 # -- the command's errors, before anything is created -------------------------------------
 
 
@@ -110,6 +121,9 @@ def test_an_unknown_pool_type_or_deployment_is_refused(monkeypatch):
     result = CliRunner().invoke(app, ["deploy", "--pool-type", "ecs"])
     assert result.exit_code == 2
     assert "'ecs' is not one of 'process', 'docker', 'kubernetes'" in result.output
+    result = CliRunner().invoke(app, ["deploy", "--image", "localhost/diloco-flows:latest"])
+    assert result.exit_code == 2
+    assert "--image is for docker and kubernetes pools" in result.output
     result = CliRunner().invoke(app, ["deploy", "--name", "region-c"])
     assert result.exit_code == 2
     assert "--name 'region-c'" in result.output and "region-a, region-b" in result.output
