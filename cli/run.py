@@ -7,8 +7,13 @@ named, refuses what cannot work before anything is launched, and prints.
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -43,6 +48,53 @@ from storage.local_s3 import STORE_URL as LOCAL_S3_URL
 from workers.report import build_report, snapshot
 from workers.status import read_status
 
+#: The exit status after a SIGTERM, as a shell reports a process it ended (128 + 15).
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class _Terminated(BaseException):
+    """SIGTERM to this command: ``docker stop``, ``kill``, a Prefect worker cancelling
+    its flow run. A BaseException, as KeyboardInterrupt is, so that no ``except
+    Exception`` on the way takes it for an error."""
+
+
+class _PrefectTerminationLines(logging.Filter):
+    """Drops Prefect's "Crash detected! ... termination signal" records from the
+    terminal (the flow run's log in Prefect keeps them): this command says in one line
+    that it was stopped and how to go on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "termination signal" not in record.getMessage()
+
+
+@contextmanager
+def _sigterm_stops() -> Iterator[None]:
+    """SIGTERM raises `_Terminated` in the main thread while the run is driven.
+
+    Prefect swaps in its own handler while the train flow runs: it stops the flow
+    (which stops the jobs, which checkpoint), restores this one and sends the signal
+    again, so this one ends the command either way. A handler is needed even where
+    Python's default would end the process: as pid 1 of a container the default is
+    to ignore SIGTERM, and ``docker stop`` ended ``diloco run`` with a traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(_signum: int, _frame: Any) -> None:
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    quiet = _PrefectTerminationLines()
+    handlers = list(logging.getLogger().handlers)  # Prefect's console handler is the root's
+    for handler in handlers:
+        handler.addFilter(quiet)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for handler in handlers:
+            handler.removeFilter(quiet)
+
 
 def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: bool,
            storage_options: dict | None = None,
@@ -62,9 +114,11 @@ def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: 
                   f"(Prefect: {prefect_hint()})", highlight=False)
     # bars in a terminal; piped or in CI, a plain line per round, eval and state
     live = progress_for(console)(lambda: open_run(run_url, storage_options, retry=REACH_POLICY), console)
+    from prefect.exceptions import TerminationSignal  # noqa: PLC0415
+
     state = None
     try:
-        with live:
+        with _sigterm_stops(), live:
             try:  # Prefect's, when there is no PREFECT_API_URL: it dies with this command
                 tie_temporary_server()
             except Exception as exc:  # noqa: BLE001 - a timeout, a port: one line, no traceback
@@ -74,10 +128,12 @@ def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: 
                            EXIT_FAILED) from None
             state = train(run_url=run_url, resume=resume, storage_options=storage_options,
                           return_state=True, **flow_kwargs)
-    except KeyboardInterrupt:
-        errors.print(f"\ninterrupted: the jobs saved their checkpoints. Continue with:\n"
+    except (KeyboardInterrupt, _Terminated, TerminationSignal) as exc:
+        how = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped by SIGTERM"
+        errors.print(f"\n{how}: the jobs saved their checkpoints. Continue with:\n"
                      f"  diloco resume {where}")
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+        raise typer.Exit(EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt)
+                         else EXIT_TERMINATED) from None
     try:
         exchange = open_run(run_url, storage_options)
     except Exception:  # noqa: BLE001 - it failed before the run was created

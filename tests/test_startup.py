@@ -6,6 +6,7 @@ jobs and Prefect's temporary server of a `diloco run` killed with SIGKILL)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -231,3 +232,49 @@ def test_a_killed_diloco_run_leaves_no_process(tmp_path, data_url):
         kill_all(seen)
     print(f"after SIGKILL of diloco run: the server was gone in {server_took:.1f} s, the jobs "
           f"in {jobs_took:.1f} s ({time.monotonic() - killed:.1f} s in all)")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux" or not Path("/usr/bin/unshare").exists(),
+                    reason="needs unshare (util-linux) for a pid namespace")
+def test_sigterm_to_diloco_run_as_pid_1_checkpoints_and_says_so(tmp_path, data_url):
+    """`docker stop` of a container whose command is `diloco run`: SIGTERM to pid 1,
+    which by default ignores it. The jobs checkpoint, the command prints one line
+    saying it was stopped and how to continue (no traceback, none of Prefect's
+    "Crash detected" lines), exits 143 (it used to exit 1 with Prefect's
+    TerminationSignal traceback), and `diloco resume` finishes the run."""
+    env = clean_env(tmp_path, DILOCO_TRACKING="off")
+    run = [*SHORT, "--set", "train.steps=64", "--set", f"data.dataset={data_url}",
+           "--set", "train.checkpoint_every=400"]  # only the stop's checkpoint
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", DILOCO, "run",
+                             *run], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        steps = []
+        while time.monotonic() < deadline and proc.poll() is None and not steps:
+            with suppress(OSError, ValueError):  # not there yet, or being replaced
+                steps = [s for s in tmp_path.glob("runs/*/members/region-a/status.json")
+                         if json.loads(s.read_text()).get("step")]
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        (pid_1,) = [p for p, c in descendants(proc.pid).items()  # python .../diloco run
+                    if f"{DILOCO} run" in c and "flows." not in c]
+        os.kill(pid_1, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    if "unshare:" in err and proc.returncode != 143:
+        pytest.skip(f"no pid namespace here: {err.strip()[:200]}")
+    assert proc.returncode == 143, out[-2000:] + err[-3000:]
+    assert "Traceback" not in err and "Crash detected" not in err, err[-3000:]
+    (name,) = [p.name for p in (tmp_path / "runs").iterdir()]
+    assert err.strip().splitlines()[-2:] == [
+        "stopped by SIGTERM: the jobs saved their checkpoints. Continue with:",
+        f"  diloco resume runs/{name}"], err[-2000:]
+    for worker in ("region-a", "region-b"):
+        assert list(tmp_path.glob(f"runs/{name}/workers/{worker}/ckpt/*.json")), worker
+    resumed = subprocess.run([DILOCO, "resume", name], cwd=tmp_path, env=env, text=True,
+                             capture_output=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"{name} finished in" in resumed.stdout
