@@ -4,13 +4,19 @@ test can check what they were given and that they are gone)."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
+import threading
 from pathlib import Path
 
 try:  # tests/ is on sys.path under pytest's default import mode
     from prefect_home import prefect_home
+    from prefect_server import PrefectServer
 except ImportError:  # tests imported as a package
     from tests.prefect_home import prefect_home
+    from tests.prefect_server import PrefectServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,20 +31,43 @@ SHORT = [
 ]
 
 
-def clean_env(home: Path, *, fresh_prefect: bool = False, **extra: str) -> dict[str, str]:
+def clean_env(home: Path, *, fresh_prefect: bool = False, shared_prefect: bool = False,
+              **extra: str) -> dict[str, str]:
     """No Prefect server configured (the embedded default), a PREFECT_HOME of our own,
     no credentials or tracking settings from the caller's environment.
 
     The home holds a Prefect database already made (tests/prefect_home.py: the
     temporary server then starts in a third of the CPU); ``fresh_prefect``: an empty
-    home, as on a user's first run."""
+    home, as on a user's first run. ``shared_prefect``: for a test whose run is only
+    the material of what it checks, the Prefect server this test process keeps
+    (`shared_server`) instead of a temporary server per command."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PREFECT_", "MLFLOW_", "DILOCO_", "AWS_"))}
     prefect = home / "prefect-home"
-    if not fresh_prefect:
+    if shared_prefect:
+        env["PREFECT_API_URL"] = shared_server().url
+    elif not fresh_prefect:
         prefect_home(prefect)
     env.update(PREFECT_HOME=str(prefect), COLUMNS="120", PYTHONPATH=str(ROOT), **extra)
     return env
+
+
+_shared: PrefectServer | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_server() -> PrefectServer:
+    """One Prefect server per test process, started at its first use and stopped when
+    the process exits: 4.5 s of CPU a `diloco run` does not spend on a temporary one."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared.proc is None or _shared.proc.poll() is not None:
+            home = Path(tempfile.mkdtemp(prefix="diloco-prefect-shared-"))
+            atexit.register(shutil.rmtree, home, ignore_errors=True)
+            _shared = PrefectServer(home)
+            _shared.start()
+            atexit.register(_shared.stop)  # (atexit runs the last registered first)
+    return _shared
 
 
 def descendants(pid: int) -> dict[int, str]:

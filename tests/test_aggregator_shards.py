@@ -281,7 +281,7 @@ def test_diloco_run_with_two_aggregator_shards(tmp_path):
 
     from cli_runs import SHORT, clean_env  # noqa: PLC0415
 
-    env = clean_env(tmp_path, DILOCO_TRACKING="off")
+    env = clean_env(tmp_path, shared_prefect=True, DILOCO_TRACKING="off")
     diloco = str(Path(sys.executable).parent / "diloco")
     done = subprocess.run([diloco, "run", *SHORT, "--set", "aggregator.shards=2"], cwd=tmp_path,
                           env=env, text=True, capture_output=True, timeout=600)

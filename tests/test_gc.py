@@ -22,7 +22,7 @@ DILOCO = str(Path(sys.executable).parent / "diloco")
 
 
 def diloco(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([DILOCO, *args], cwd=cwd, env=clean_env(cwd, MLFLOW_TRACKING="0"),
+    return subprocess.run([DILOCO, *args], cwd=cwd, env=clean_env(cwd, shared_prefect=True, MLFLOW_TRACKING="0"),
                           text=True, capture_output=True, timeout=timeout)
 
 

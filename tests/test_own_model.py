@@ -80,7 +80,7 @@ def own(tmp_path_factory) -> Path:
 
 def diloco(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([DILOCO, *args], cwd=cwd, text=True, capture_output=True,
-                          timeout=timeout, env=clean_env(cwd, DILOCO_TRACKING="off"))
+                          timeout=timeout, env=clean_env(cwd, shared_prefect=True, DILOCO_TRACKING="off"))
 
 
 def short_run() -> list[str]:

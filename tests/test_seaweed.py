@@ -336,7 +336,7 @@ def test_local_s3_refuses_what_cannot_work_before_serving(user, tmp_path, args, 
 def test_a_run_on_local_s3_then_read_back_while_served(tmp_path):
     """As a user does it: `diloco run --store local-s3`, then `diloco store serve` in
     one shell and `source runs/.seaweedfs/env; diloco status RUN` in another."""
-    env = clean_env(tmp_path, DILOCO_TRACKING="off")
+    env = clean_env(tmp_path, shared_prefect=True, DILOCO_TRACKING="off")
     done = subprocess.run([DILOCO, "run", "--store", "local-s3", *SHORT], cwd=tmp_path, env=env,
                           text=True, capture_output=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

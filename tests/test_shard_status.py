@@ -36,7 +36,7 @@ DILOCO = str(Path(sys.executable).parent / "diloco")
 def status(url: str, tmp_path: Path, *extra: str) -> str:
     done = subprocess.run([DILOCO, "status", url, *extra], cwd=tmp_path, text=True,
                           capture_output=True, timeout=120,
-                          env=clean_env(tmp_path, DILOCO_TRACKING="off"))
+                          env=clean_env(tmp_path, shared_prefect=True, DILOCO_TRACKING="off"))
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -57,7 +57,7 @@ def test_status_shows_each_shard_and_a_dead_one(tmp_path, data_url):
     shard1 = subprocess.Popen([sys.executable, "-m", "flows.aggregator", "--run", url,
                                "--shard", "1"], cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL,
-                              env=clean_env(tmp_path, DILOCO_TRACKING="off"))
+                              env=clean_env(tmp_path, shared_prefect=True, DILOCO_TRACKING="off"))
     for t in jobs:
         t.start()
     try:
