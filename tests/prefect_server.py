@@ -124,10 +124,15 @@ class PrefectServer:
         return proc
 
     @contextmanager
-    def worker(self, pool: str, cwd: Path | None = None, env: dict[str, str] | None = None):
-        """``prefect worker start --pool POOL`` for as long as the block runs."""
-        proc = self.spawn([PREFECT, "worker", "start", "--pool", pool, "--type", "process"],
-                          f"worker-{pool}.log", cwd=cwd, env=env)
+    def worker(self, pool: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+               *, kind: str = "process", queue: str | None = None):
+        """``prefect worker start --pool POOL --type KIND`` (only work queue QUEUE if
+        given) for as long as the block runs; its log is ``worker-POOL[-QUEUE].log``."""
+        args = [PREFECT, "worker", "start", "--pool", pool, "--type", kind]
+        if queue:
+            args += ["--work-queue", queue]
+        proc = self.spawn(args, f"worker-{pool}{f'-{queue}' if queue else ''}.log", cwd=cwd,
+                          env=env)
         try:
             yield proc
         finally:
