@@ -48,6 +48,7 @@ from faults import (
     round_arrays,
     snapshot,
 )
+from prefect_home import prefect_home
 
 from workers.config import load_config
 from workers.data.prepare import prepare_data
@@ -268,7 +269,8 @@ def test_launcher_killed_at_startup(data_url, reference, tmp_path):
     themselves: their launcher is gone); ``diloco resume`` finishes the run with
     the canonical state of the uninterrupted one."""
     url = str(tmp_path / "run")
-    env = env_for(PREFECT_HOME=str(tmp_path / "prefect-home"), COLUMNS="120")
+    # a Prefect home with its database made (tests/prefect_home.py)
+    env = env_for(PREFECT_HOME=str(prefect_home(tmp_path / "prefect-home")), COLUMNS="120")
     env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
     sets = [a for o in overrides(data_url) for a in ("--set", o)]
     log = tmp_path / "diloco.log"
