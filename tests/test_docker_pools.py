@@ -267,6 +267,11 @@ def test_a_train_run_finishes_with_every_job_in_a_container(stack: Stack, finish
         assert env["PREFECT__FLOW_RUN_ID"] == str(run.id)
         started = _when(info["State"]["StartedAt"])
         stack.times[f"{name} container"] = _when(info["State"]["FinishedAt"]) - started
+        if name in WORKERS:  # from the container's start to the flow's first step
+            logs = stack.engine.docker("logs", "--timestamps", info["Id"])
+            first = next(line.split(" ", 1)[0] for line in (logs.stdout + logs.stderr).splitlines()
+                         if f"| Flow run 'dp1/{name}' - {name} step " in line)
+            stack.times[f"{name} container start to its first step"] = _when(first) - started
     pools = {n: r.work_pool_name for n, r in runs.items()}
     assert pools == {"train": "region-a", "aggregator": "region-a", "region-a": "region-a",
                      "region-b": "region-b"}
