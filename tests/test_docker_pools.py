@@ -333,6 +333,12 @@ def test_no_secret_in_labels_prefect_or_logs(stack: Stack, finished: Any) -> Non
     for pool, queue, _ in DOCKER_WORKERS:
         places[f"worker log {pool}/{queue}"] = stack.server.logs(f"worker-{pool}-{queue}.log")
     places["server log"] = stack.server.logs("server.log")
+    # and whatever else the server keeps (events, artifacts...): its database's files
+    for path in sorted(stack.server.home.glob("prefect.db*")):
+        places[path.name] = path.read_bytes().decode("latin-1")
+    # (not blind: the run's URL, a flow-run parameter, is in there as plain text)
+    assert any(f"s3://{BUCKET}/{PREFIX}/dp1" in text for name, text in places.items()
+               if name.startswith("prefect.db")), sorted(places)
     assert places["flow-run logs"] and places["flow runs"]
     leaks = [(what, where) for where, text in places.items() for what, value in needles.items()
              if value in text]
