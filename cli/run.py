@@ -105,7 +105,9 @@ def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: 
     # Prefect and torch: imported here, after quiet_logs (see the package docstring).
     from diloco.run import open_run  # noqa: PLC0415 - torch
     from flows.server import server_log, tie_temporary_server  # noqa: PLC0415
-    from flows.train import train  # noqa: PLC0415
+
+    # (TerminationSignal: what Prefect raises for a SIGTERM while the train flow runs)
+    from flows.train import TerminationSignal, train  # noqa: PLC0415
     from storage.reach import REACH_POLICY  # noqa: PLC0415
 
     start = time.monotonic()
@@ -114,8 +116,6 @@ def _drive(*, run_url: str, flow_kwargs: dict[str, Any], resume: bool, verbose: 
                   f"(Prefect: {prefect_hint()})", highlight=False)
     # bars in a terminal; piped or in CI, a plain line per round, eval and state
     live = progress_for(console)(lambda: open_run(run_url, storage_options, retry=REACH_POLICY), console)
-    from prefect.exceptions import TerminationSignal  # noqa: PLC0415
-
     state = None
     try:
         with _sigterm_stops(), live:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from prefect import flow
+from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled
 
 from diloco.run import open_run
@@ -156,7 +157,8 @@ def run_train(
         elif on_progress:
             on_progress(snapshot(exchange))
     except BaseException as exc:  # an error, Ctrl-C, SIGTERM (Prefect's TerminationSignal)
-        interrupted = isinstance(exc, KeyboardInterrupt) or not isinstance(exc, Exception)
+        interrupted = (isinstance(exc, KeyboardInterrupt | TerminationSignal)
+                       or not isinstance(exc, Exception))
         state = "interrupted" if interrupted else "failed"
         message = f"{type(exc).__name__}: {exc}"
         raised = True
