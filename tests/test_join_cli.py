@@ -132,7 +132,9 @@ def test_join_and_leave_a_running_run(tmp_path):
     """A run of two workers: region-c joins, its contributions are in the means;
     region-b leaves, the others stop waiting for it; the run finishes; status shows
     the members; a finished run refuses joins and leaves with one line."""
-    run_cmd = [DILOCO, "run", *settings("train.steps=240", "train.checkpoint_every=40")]
+    # 480 steps: the joiner's start and admission, then region-b's leave, all before
+    # the end (at 240 a loaded full suite once saw the run finish before the leave)
+    run_cmd = [DILOCO, "run", *settings("train.steps=480", "train.checkpoint_every=80")]
     proc = subprocess.Popen(run_cmd, cwd=tmp_path, env=env(tmp_path), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
