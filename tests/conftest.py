@@ -288,3 +288,9 @@ def in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]
     yield CliRunner()
     for key in set(os.environ) - set(before):  # what the command set for itself
         del os.environ[key]
+
+
+# -- the container tests' session fixtures (docker_engine, image): one Docker engine
+# and one image build per pytest session, whichever container test files run. They
+# skip unless asked for (-m containers); tests/docker_engine.py.
+pytest_plugins = ["docker_engine"]

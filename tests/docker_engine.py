@@ -15,6 +15,14 @@ used and left running. An engine started here is stopped at `stop`: SIGTERM, up 
 unmounted. It also gets SIGTERM if the test process dies without stopping it
 (PR_SET_PDEATHSIG), so no dockerd outlives a session.
 
+It is also the pytest plugin (``pytest_plugins`` at the end of tests/conftest.py) that
+gives the container tests their session fixtures: ``docker_engine`` (installed by
+``scripts/docker-engine install`` where dockerd is missing, started once per session,
+stopped at its end; the tests skip in one line where it cannot start) and ``image``
+(``scripts/docker-image``, built once per session on that engine). Both skip unless
+asked for (``-m containers`` or ``DILOCO_TEST_CONTAINERS=1``), so a plain ``pytest``
+never starts an engine.
+
 Usage::
 
     with DockerEngine() as engine:
@@ -27,18 +35,25 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "docker-engine"
 DEFAULT_ROOT = "/var/tmp/diloco-docker"
+#: the tag scripts/docker-image gives the image (the docker pools' --image)
+IMAGE = "localhost/diloco-flows:latest"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -158,3 +173,71 @@ class DockerEngine:
                  tb: TracebackType | None) -> None:
         self.stop()
 
+
+
+# -- the session fixtures of the container tests ---------------------------------------
+
+def wanted(config: pytest.Config) -> bool:
+    """Asked for: ``-m`` names the marker, or DILOCO_TEST_CONTAINERS=1."""
+    return (os.environ.get("DILOCO_TEST_CONTAINERS") == "1"
+            or "containers" in (config.getoption("markexpr", "") or ""))
+
+
+def say(config: pytest.Config, line: str) -> None:
+    """A line in pytest's output, captured or not (the figures the docs quote)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"containers: {line}")
+
+
+@dataclass
+class Build:
+    seconds: float
+    output: str
+
+
+def build(engine: DockerEngine, image: str = IMAGE) -> Build:
+    """``scripts/docker-image`` on ENGINE: what a user runs, cached by the engine."""
+    t0 = time.monotonic()
+    got = subprocess.run([str(REPO / "scripts" / "docker-image")], cwd=REPO,
+                         env={**os.environ, **engine.env(), "IMAGE": image},
+                         capture_output=True, text=True, timeout=1700)
+    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
+    return Build(time.monotonic() - t0, got.stdout)
+
+
+@pytest.fixture(scope="session")
+def docker_engine(request: pytest.FixtureRequest) -> Iterator[DockerEngine]:
+    """The engine for the session: installed if missing, started, stopped at the end."""
+    if not wanted(request.config):
+        pytest.skip("container tests build an image (minutes): "
+                    "run them with -m containers or DILOCO_TEST_CONTAINERS=1")
+    if os.geteuid() != 0:
+        pytest.skip("container tests need root (they start dockerd)")
+    if shutil.which("dockerd") is None:
+        got = subprocess.run([str(SCRIPT), "install"], capture_output=True, text=True)
+        if got.returncode != 0:
+            said = (got.stderr or got.stdout).strip().splitlines()
+            pytest.skip(f"could not install docker.io: {said[-1] if said else got.returncode}")
+    engine = DockerEngine()
+    t0 = time.monotonic()
+    try:
+        engine.start()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"no Docker engine: {exc}")
+    how = "already running" if engine.reused else f"started in {time.monotonic() - t0:.1f} s"
+    say(request.config, f"engine {engine.host} ({how}), client {engine.client}")
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="session")
+def image(docker_engine: DockerEngine, request: pytest.FixtureRequest) -> str:
+    """The image, built (or found in the engine's cache) by scripts/docker-image."""
+    built = build(docker_engine)
+    for line in built.output.splitlines():
+        say(request.config, line)
+    say(request.config, f"scripts/docker-image took {built.seconds:.1f} s")
+    return IMAGE

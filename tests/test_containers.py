@@ -11,7 +11,9 @@ The engine is installed (``scripts/docker-engine install``: Debian's docker.io) 
 dockerd is missing, started on its own socket under ``$DILOCO_DOCKER_ROOT`` (default
 /var/tmp/diloco-docker) for the session and stopped at its end; where it cannot start,
 the tests are skipped with one line saying why. The image is built by
-``scripts/docker-image`` (docs/image.md), so the tests check what a user runs.
+``scripts/docker-image`` (docs/image.md), so the tests check what a user runs. The
+engine and the image are session fixtures of tests/docker_engine.py: every container
+test file of a session shares one engine and one build.
 """
 
 from __future__ import annotations
@@ -23,38 +25,20 @@ import shutil
 import subprocess
 import tarfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 try:  # tests/ is on sys.path under pytest's default import mode
-    from docker_engine import REPO, SCRIPT, DockerEngine
+    from docker_engine import REPO, DockerEngine, build, say
 except ImportError:  # tests imported as a package
-    from tests.docker_engine import REPO, SCRIPT, DockerEngine
+    from tests.docker_engine import REPO, DockerEngine, build, say
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(1800)]
 
-IMAGE = "localhost/diloco-flows:latest"
 #: what the build is given and no image may keep: pip's settings, a secret's place
 PIP_BUILD_KEYS = ("PIP_CERT", "PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL",
                   "PIP_TRUSTED_HOST", "PIP_CONFIG_FILE", "PIP_CLIENT_CERT")
-
-
-def wanted(config: pytest.Config) -> bool:
-    """Asked for: ``-m`` names the marker, or DILOCO_TEST_CONTAINERS=1."""
-    return (os.environ.get("DILOCO_TEST_CONTAINERS") == "1"
-            or "containers" in (config.getoption("markexpr", "") or ""))
-
-
-def say(config: pytest.Config, line: str) -> None:
-    """A line in pytest's output, captured or not (the figures docs/image.md quotes)."""
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    capture = config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():
-            reporter.write_line(f"containers: {line}")
 
 
 def image_lib(expression: str) -> str:
@@ -62,56 +46,6 @@ def image_lib(expression: str) -> str:
     arguments and pip's settings, as scripts/docker-image and check-image have them)."""
     return subprocess.run(["bash", "-c", f'PROG=test; . scripts/image-lib.sh; {expression}'],
                           cwd=REPO, capture_output=True, text=True, check=True).stdout
-
-
-@pytest.fixture(scope="session")
-def docker_engine(request: pytest.FixtureRequest) -> Iterator[DockerEngine]:
-    """The engine for the session: installed if missing, started, stopped at the end."""
-    if not wanted(request.config):
-        pytest.skip("container tests build an image (minutes): "
-                    "run them with -m containers or DILOCO_TEST_CONTAINERS=1")
-    if os.geteuid() != 0:
-        pytest.skip("container tests need root (they start dockerd)")
-    if shutil.which("dockerd") is None:
-        got = subprocess.run([str(SCRIPT), "install"], capture_output=True, text=True)
-        if got.returncode != 0:
-            said = (got.stderr or got.stdout).strip().splitlines()
-            pytest.skip(f"could not install docker.io: {said[-1] if said else got.returncode}")
-    engine = DockerEngine()
-    t0 = time.monotonic()
-    try:
-        engine.start()
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"no Docker engine: {exc}")
-    how = "already running" if engine.reused else f"started in {time.monotonic() - t0:.1f} s"
-    say(request.config, f"engine {engine.host} ({how}), client {engine.client}")
-    yield engine
-    engine.stop()
-
-
-@dataclass
-class Build:
-    seconds: float
-    output: str
-
-
-def build(engine: DockerEngine) -> Build:
-    t0 = time.monotonic()
-    got = subprocess.run([str(REPO / "scripts" / "docker-image")], cwd=REPO,
-                         env={**os.environ, **engine.env(), "IMAGE": IMAGE},
-                         capture_output=True, text=True, timeout=1700)
-    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
-    return Build(time.monotonic() - t0, got.stdout)
-
-
-@pytest.fixture(scope="session")
-def image(docker_engine: DockerEngine, request: pytest.FixtureRequest) -> str:
-    """The image, built (or found in the engine's cache) by scripts/docker-image."""
-    built = build(docker_engine)
-    for line in built.output.splitlines():
-        say(request.config, line)
-    say(request.config, f"scripts/docker-image took {built.seconds:.1f} s")
-    return IMAGE
 
 
 def test_a_second_build_is_all_cached(docker_engine: DockerEngine, image: str,
@@ -281,3 +215,43 @@ def scan_layers(engine: DockerEngine, image: str,
                     found += [f"{name} holds {n[:40]!r}" for n in needles if n in data]
     assert save.wait() == 0
     return found, files, size
+
+
+#: Run in a container: a shell that leaves an orphan (its background `sleep`) and
+#: exits; the orphan is re-parented to pid 1, which must reap it when it ends. Prints
+#: the zombies left and pid 1's command.
+ZOMBIES = r"""
+import pathlib, subprocess, time
+subprocess.run(["sh", "-c", "sleep 0.2 & exit 0"], check=True)
+time.sleep(1.5)
+zombies = [p.name for p in pathlib.Path("/proc").iterdir() if p.name.isdigit()
+           and (p / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"]
+print(len(zombies), (pathlib.Path("/proc/1/cmdline").read_bytes().split(b"\0")[0]).decode())
+"""
+
+
+def test_tini_is_pid_1_and_reaps_orphans(docker_engine: DockerEngine, image: str) -> None:
+    """The image's entrypoint is tini: pid 1 reaps an orphaned grandchild. Not blind:
+    with python as pid 1 (--entrypoint) the same orphan stays a zombie."""
+    run = [*docker_engine.run_args(), "--rm", "--network", "host"]
+    with_tini = docker_engine.docker(*run, image, "python3", "-c", ZOMBIES).stdout.split()
+    assert with_tini == ["0", "/usr/bin/tini"], with_tini
+    without = docker_engine.docker(*run, "--entrypoint", "python3", image, "-c",
+                                   ZOMBIES).stdout.split()
+    assert without == ["1", "python3"], without
+
+
+def test_docker_stop_reaches_the_command(docker_engine: DockerEngine, image: str,
+                                         request: pytest.FixtureRequest) -> None:
+    """`docker stop` (SIGTERM) ends a command that sets no handler at once, with the
+    status of SIGTERM (143), where pid 1 without an init ignores it and is SIGKILLed
+    after the grace period (137)."""
+    cid = docker_engine.docker(*docker_engine.run_args(), "--detach", "--network", "host",
+                               image, "sleep", "600").stdout.strip()
+    t0 = time.monotonic()
+    docker_engine.docker("stop", "--time", "30", cid, timeout=60)
+    took = time.monotonic() - t0
+    code = docker_engine.docker("inspect", "--format", "{{.State.ExitCode}}", cid).stdout.strip()
+    docker_engine.docker("rm", cid, check=False)
+    assert code == "143" and took < 10, (code, took)
+    say(request.config, f"docker stop of `sleep 600` under tini: exit {code} in {took:.1f} s")

@@ -4,8 +4,8 @@ with that role's bucket keys in its own environment only), and a `train` run on 
 SeaweedFS bucket whose every job (train, both regions' workers, the aggregator) is a
 container of the project's image on the engine of tests/docker_engine.py.
 
-The engine, the image and the skip rules are those of tests/test_containers.py
-(marker ``containers``: ``-m containers`` or ``DILOCO_TEST_CONTAINERS=1``, as root)::
+The engine, the image and the skip rules are the session fixtures of
+tests/docker_engine.py (marker ``containers``: ``-m containers`` or ``DILOCO_TEST_CONTAINERS=1``, as root)::
 
     .venv/bin/python -m pytest -m containers -q tests/test_docker_pools.py
 
@@ -33,15 +33,13 @@ from typing import Any
 import pytest
 
 try:  # tests/ is on sys.path under pytest's default import mode
-    from docker_engine import DockerEngine
+    from docker_engine import DockerEngine, say
     from iam_server import SeaweedIAMServer
     from prefect_server import PrefectServer
-    from test_containers import docker_engine, image, say  # noqa: F401 - fixtures
 except ImportError:  # tests imported as a package
-    from tests.docker_engine import DockerEngine
+    from tests.docker_engine import DockerEngine, say
     from tests.iam_server import SeaweedIAMServer
     from tests.prefect_server import PrefectServer
-    from tests.test_containers import docker_engine, image, say  # noqa: F401
 
 from infra.policies import policy_file_name, role_policies
 from storage import layout
