@@ -2,7 +2,7 @@
 3 seeds each, and a verdict.
 
     .venv/bin/python -m benchmarks.bench_claims [--claims C4,C5] [--profile quick|full] \\
-        [--seeds 0,1,2] [--resume] [--plan] [--results FILE.jsonl] [--out claims]
+        [--seeds 0,1,2] [--resume] [--plan] [--report] [--results FILE.jsonl] [--out claims]
     diloco bench claims [same options]
 
 Claims C1..C9 and what tests each: ``benchmarks.claims_plan`` (docs/claims.md has the
@@ -19,7 +19,8 @@ every (run, seed) already there (same config: the key hashes the whole recipe).
 Without it the runs are done again and the newest line of a key is the one read.
 The verdicts are computed from the JSONL by the rule of ``benchmarks.claims_verdict``
 (fixed before any run) and written as claims.json and claims.md. ``--plan`` prints
-the runs, their count and the budget estimate without running anything.
+the runs, their count and the budget estimate without running anything;
+``--report`` only computes the verdicts of what the results file holds.
 
 Exit status: 0 done, 1 a run failed (the ones before it are kept), 2 bad options
 (one line naming the option and what is allowed), 130 interrupted.
@@ -276,6 +277,8 @@ def parser() -> argparse.ArgumentParser:
                    help="skip the (run, seed) pairs already in the results file")
     p.add_argument("--plan", action="store_true",
                    help="print the runs and the planned CPU time; run nothing")
+    p.add_argument("--report", action="store_true",
+                   help="only the verdicts of what the results file holds; run nothing")
     p.add_argument("--results", type=Path, default=None,
                    help="the JSONL (default benchmarks/results/claims.jsonl, "
                    "claims-quick.jsonl for --profile quick)")
@@ -346,15 +349,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.report import write_report  # noqa: PLC0415
 
     env = environment(argv, PROG)
-    ref = ensure_dataset(args.data)
-    data = {"reference": ref}
-    if any(s.data == "shuffled" for s in unique_specs(chosen, profile)):
-        data["shuffled"] = ensure_shuffled(ref)
+    data: dict[str, str] = {}
+    if not args.report:
+        data["reference"] = ensure_dataset(args.data)
+        if any(s.data == "shuffled" for s in unique_specs(chosen, profile)):
+            data["shuffled"] = ensure_shuffled(data["reference"])
     t0 = time.perf_counter()
     failed = None
     try:
-        execute(chosen, profile, seeds, args.results, resume=args.resume, data=data,
-                mlflow=args.mlflow)
+        if not args.report:
+            execute(chosen, profile, seeds, args.results, resume=args.resume, data=data,
+                    mlflow=args.mlflow)
     except Exception as exc:  # noqa: BLE001 - reported; the finished runs are kept
         failed = exc
         log.error("a run failed: %s", exc)
