@@ -126,7 +126,7 @@ def train(spec: Spec, profile: Profile, seed: int, data: dict[str, str], wd: Pat
             "num_parameters": out.num_parameters, "rounds": out.rounds,
             "bytes_per_step": q["bytes_per_step"], "up_per_step": q["up_per_step"],
             "up_less_than_dp": q["up_less_than_dp"], "late_means": q["late_means"],
-            "peak_up": max(peaks) if peaks else None}
+            "peak_up": max(peaks) if any(peaks) else None}
 
 
 def run_one(spec: Spec, profile: Profile, seed: int, data: dict[str, str], wd: Path,
@@ -259,7 +259,8 @@ def markdown(rep: dict[str, Any]) -> str:
               _num(k.get("tol") if k["kind"] in ("within", "at_least") else None, "{:.4f}"),
               k["verdict"]] for k in c["checks"]])]
         for s in c["shows"]:
-            lines.append(f"- {s['label']}: {figures(s['values'])}")
+            pct = [100 * v for v in s["values"]]
+            lines.append(f"- {s['label']} (%): {figures(pct)}")
         lines += ["", f"Verdict: **{c['verdict']}**"]
     return "\n".join(lines)
 
