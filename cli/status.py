@@ -43,6 +43,18 @@ def status(
         return
     print_status(console, exchange, shown(url), launcher, cancel, size)
     print_members(rows)
+    print_failures(snapshot(exchange))
+
+
+def print_failures(snap: dict) -> None:
+    """A line per party whose status says failed, with its error as the party (or the
+    Docker worker that saw its container OOM-killed) wrote it: why, in one line
+    (soft-wrapped, so a narrow terminal does not split it)."""
+    parties = {**snap.get("workers", {}), "aggregator": snap.get("aggregator") or {}}
+    for name, st in parties.items():
+        if st.get("state") == "failed" and st.get("error"):
+            console.print(f"[red]{name} failed[/]: {st['error']}", highlight=False,
+                          soft_wrap=True)
 
 
 def cancel(

@@ -54,6 +54,14 @@ SCRIPT = REPO / "scripts" / "docker-engine"
 DEFAULT_ROOT = "/var/tmp/diloco-docker"
 #: the tag scripts/docker-image gives the image (the docker pools' --image)
 IMAGE = "localhost/diloco-flows:latest"
+#: the container tests' short `tiny` run: 16 steps of a small model, two fragments
+SHORT_RUN = [
+    "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
+    "data.seq_len=32", "data.batch_size=8", "optim.warmup_steps=2", "train.steps=16",
+    "train.eval_every=0", "train.eval_batches=2", "train.log_every=4", "train.threads=1",
+    "train.checkpoint_every=8", "sync.schedule.sync_every=8", "sync.schedule.fragments=2",
+    "sync.schedule.overlap=1", 'data.sources=["builtin:shakespeare/tragedies/*"]',
+]
 _PR_SET_PDEATHSIG = 1
 
 
@@ -198,10 +206,10 @@ class Build:
     output: str
 
 
-def build(engine: DockerEngine, image: str = IMAGE) -> Build:
-    """``scripts/docker-image`` on ENGINE: what a user runs, cached by the engine."""
+def build(engine: DockerEngine, image: str = IMAGE, *args: str) -> Build:
+    """``scripts/docker-image ARGS`` on ENGINE: what a user runs, cached by the engine."""
     t0 = time.monotonic()
-    got = subprocess.run([str(REPO / "scripts" / "docker-image")], cwd=REPO,
+    got = subprocess.run([str(REPO / "scripts" / "docker-image"), *args], cwd=REPO,
                          env={**os.environ, **engine.env(), "IMAGE": image},
                          capture_output=True, text=True, timeout=1700)
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]

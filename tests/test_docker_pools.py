@@ -14,7 +14,11 @@ bucket key is its own role's; lines logged inside the containers are in Prefect'
 flow-run logs; `diloco status` reads the run; no bucket secret is in a container's
 labels, in Prefect (flow runs' parameters and job variables, deployments, work
 pools, blocks, variables, logs) or in any log; and `diloco cancel` stops a second
-run's containers after a checkpoint, its flow runs Cancelled.
+run's containers after a checkpoint, its flow runs Cancelled. Faults: `docker
+kill` of a worker's container mid-run, its flow run relaunched by the train flow,
+ends bit for bit as the same run unfaulted (quorum 1.0, as tests/test_fault_campaign.py
+checks process kills); a container killed for memory (a small mem_limit) is named so
+in one line, in its flow run's state and in `diloco status`.
 """
 
 from __future__ import annotations
@@ -33,14 +37,17 @@ from typing import Any
 import pytest
 
 try:  # tests/ is on sys.path under pytest's default import mode
-    from docker_engine import DockerEngine, say
+    from docker_engine import SHORT_RUN, DockerEngine, say
+    from faults import applied_once, canonical_eval, differences, snapshot
     from iam_server import SeaweedIAMServer
-    from prefect_server import PrefectServer
+    from prefect_server import PrefectServer, stop_process
 except ImportError:  # tests imported as a package
-    from tests.docker_engine import DockerEngine, say
+    from tests.docker_engine import SHORT_RUN, DockerEngine, say
+    from tests.faults import applied_once, canonical_eval, differences, snapshot
     from tests.iam_server import SeaweedIAMServer
-    from tests.prefect_server import PrefectServer
+    from tests.prefect_server import PrefectServer, stop_process
 
+from flows.docker_worker import killed_for_memory
 from infra.policies import policy_file_name, role_policies
 from storage import layout
 
@@ -55,14 +62,7 @@ DOCKER_WORKERS = [("region-a", "launcher", layout.LAUNCHER),
                   ("region-a", "aggregator", layout.AGGREGATOR),
                   ("region-a", "default", "worker:region-a"),
                   ("region-b", "default", "worker:region-b")]
-MICRO = [
-    "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
-    "data.seq_len=32", "data.batch_size=8", "optim.warmup_steps=2", "train.steps=16",
-    "train.eval_every=0", "train.eval_batches=2", "train.log_every=4", "train.threads=1",
-    "train.checkpoint_every=8", "sync.schedule.sync_every=8", "sync.schedule.fragments=2",
-    "sync.schedule.overlap=1", 'data.sources=["builtin:shakespeare/tragedies/*"]',
-    f"store=s3://{BUCKET}/{PREFIX}", f"workers={WORKERS}",
-]
+MICRO = [*SHORT_RUN, f"store=s3://{BUCKET}/{PREFIX}", f"workers={WORKERS}"]
 #: the loggers of our code (PREFECT_LOGGING_EXTRA_LOGGERS): only a job logs on them
 OURS = ("flows", "workers", "diloco", "storage", "tracking")
 
@@ -140,13 +140,17 @@ def stack(docker_engine: DockerEngine, image: str, tmp_path_factory: pytest.Temp
 
 
 def _workers(stack: Stack, engine_env: dict[str, str]) -> ExitStack:
-    """The Docker workers of DOCKER_WORKERS, each in a directory of its own."""
+    """The Docker workers of DOCKER_WORKERS, each in a directory of its own: the
+    project's (python -m flows.docker_worker), prefect-docker's with the OOM line."""
     workers = ExitStack()
     for pool, queue, role in DOCKER_WORKERS:
         cwd = stack.tmp / f"{pool}-{queue}"
         cwd.mkdir()
-        workers.enter_context(stack.server.worker(pool, cwd=cwd, kind="docker", queue=queue,
-                                                  env={**stack.env(role), **engine_env}))
+        proc = stack.server.spawn([sys.executable, "-m", "flows.docker_worker", "--pool", pool,
+                                   "--work-queue", queue, "--name", f"{pool}-{queue}"],
+                                  f"worker-{pool}-{queue}.log", cwd=cwd,
+                                  env={**stack.env(role), **engine_env})
+        workers.callback(stop_process, proc)
     return workers
 
 
@@ -406,3 +410,139 @@ def test_diloco_cancel_stops_the_containers_after_a_checkpoint(stack: Stack, fin
         assert listed.get("KeyCount", 0) > 0, worker  # its checkpoint
     say(request.config, f"cancelled: flow runs {states}; containers exit codes " + ", ".join(
         f"{n} {containers[str(r.id)]['State']['ExitCode']}" for n, r in jobs.items()))
+
+
+# -- faults in containers --------------------------------------------------------------
+
+#: the fault trials' settings (tests/test_fault_campaign.py): quorum 1.0, so that a
+#: killed worker changes nobody's rounds, and membership deadlines longer than its
+#: relaunch (the flow run Crashed, the train flow's relaunch, a Docker worker's poll,
+#: a container's start: a minute or more on a loaded machine)
+FAULTS = ["train.steps=32", "train.checkpoint_every=4", "train.keep_checkpoints=0",
+          "sync.schedule.sync_every=4", "sync.membership.quorum=1.0",
+          "sync.membership.deadline_s=600", "sync.membership.absent_deadline_s=600"]
+
+
+def _admin_options(stack: Stack) -> dict[str, Any]:
+    admin = stack.bucket.admin
+    return {"key": admin["AWS_ACCESS_KEY_ID"], "secret": admin["AWS_SECRET_ACCESS_KEY"],
+            "endpoint_url": stack.bucket.endpoint_url}
+
+
+def _all_flow_runs(stack: Stack, flow_run_name: str) -> list[Any]:
+    """Every flow run of that name (a relaunched job has several), oldest first."""
+    with _with_api(stack.server.url), stack.client() as client:
+        runs = [r for r in client.read_flow_runs() if r.name == flow_run_name]
+    return sorted(runs, key=lambda r: r.created)
+
+
+def _wait_for_train(stack: Stack, run_name: str, timeout: float = 900) -> Any:
+    """The run's train flow run, once it has ended."""
+    deadline = time.monotonic() + timeout
+    while True:
+        train = _flow_runs(stack, run_name).get("train")
+        if train is not None and train.state is not None and train.state.is_final():
+            return train
+        assert time.monotonic() < deadline, ("the train flow did not end\n"
+                                             + _worker_logs(stack))
+        time.sleep(2)
+
+
+@pytest.fixture(scope="module")
+def unfaulted(stack: Stack) -> str:
+    """The fault trials' run without a fault: its URL."""
+    t0 = time.monotonic()
+    out = _train(stack, "dpref", *FAULTS)
+    assert out.returncode == 0 and "Completed" in out.stdout, (
+        out.stdout[-3000:] + out.stderr[-3000:] + _worker_logs(stack))
+    stack.times["fault trials' reference run"] = time.monotonic() - t0
+    _wait_for_exit(stack, [str(r.id) for r in _flow_runs(stack, "dpref").values()])
+    return f"s3://{BUCKET}/{PREFIX}/dpref"
+
+
+def test_docker_kill_of_a_worker_then_its_relaunch_is_bit_identical(
+        stack: Stack, unfaulted: str, request: pytest.FixtureRequest) -> None:
+    """`docker kill` (SIGKILL, no checkpoint) of region-b's container mid-run: Prefect
+    says Crashed, the train flow relaunches region-b's flow run, the new container
+    resumes from the store, and the run ends with the unfaulted run's canonical state
+    (every fragment's model, every mean, bit for bit) and eval loss."""
+    out = _train(stack, "dpkill", *FAULTS, watch=False)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    deadline = time.monotonic() + 600
+    while _status(stack, "dpkill", "region-b").get("step", 0) < 10:
+        assert time.monotonic() < deadline, "region-b never got going\n" + _worker_logs(stack)
+        time.sleep(0.5)
+    (first, *_) = _all_flow_runs(stack, "dpkill/region-b")
+    container = _containers(stack)[str(first.id)]
+    t0 = time.monotonic()
+    stack.engine.docker("kill", container["Id"])
+    killed_at = _status(stack, "dpkill", "region-b").get("step")
+    train = _wait_for_train(stack, "dpkill")
+    stack.times["docker kill to the run's end"] = time.monotonic() - t0
+    assert train.state.type.value == "COMPLETED", (train.state, _worker_logs(stack))
+    runs = _all_flow_runs(stack, "dpkill/region-b")
+    assert [r.state.type.value for r in runs] == ["CRASHED", "COMPLETED"], runs
+    ended = _containers(stack)[str(first.id)]["State"]
+    assert ended["ExitCode"] == 137 and not ended["OOMKilled"], ended
+    _wait_for_exit(stack, [str(r.id) for r in _flow_runs(stack, "dpkill").values()])
+
+    options = _admin_options(stack)
+    url = f"s3://{BUCKET}/{PREFIX}/dpkill"
+    got, want = snapshot(url, options), snapshot(unfaulted, options)
+    problems = differences(got, want) + applied_once(got)
+    assert not problems, "\n".join(problems)
+    loss, reference_loss = canonical_eval(url, options), canonical_eval(unfaulted, options)
+    assert loss == reference_loss, (loss, reference_loss)
+    say(request.config, f"docker kill of region-b at step {killed_at}: relaunched, "
+                        f"canonical eval loss {loss!r} = the unfaulted run's, "
+                        f"{len(got.means)} means bit-identical")
+
+
+def _pool_memory(stack: Stack, pool: str, limit: str | None) -> None:
+    """The docker pool's mem_limit (and memswap_limit: no swap beyond it), or none."""
+    from prefect.client.schemas.actions import WorkPoolUpdate
+
+    with _with_api(stack.server.url), stack.client() as client:
+        template = client.read_work_pool(pool).base_job_template
+        props = template["variables"]["properties"]
+        for name in ("mem_limit", "memswap_limit"):
+            if limit is None:
+                props[name].pop("default", None)
+            else:
+                props[name]["default"] = limit
+        client.update_work_pool(pool, WorkPoolUpdate(base_job_template=template))
+
+
+def test_a_container_killed_for_memory_says_so_in_one_line(
+        stack: Stack, request: pytest.FixtureRequest) -> None:
+    """region-b's pool with a 150 MB memory limit (the job's imports alone take more):
+    the engine OOM-kills its container, twice (the train flow relaunches it once),
+    and each flow run ends Crashed with the one line of flows/docker_worker.py (in
+    place of Prefect's "status code -9 ... or by manual cancellation"); `diloco
+    status` shows it, in one line, and the train flow fails naming it."""
+    limit = "150m"
+    _pool_memory(stack, "region-b", limit)
+    try:
+        t0 = time.monotonic()
+        # quorum 1.0 (FAULTS): the aggregator waits for region-b, so the run cannot
+        # finish without it and ends when region-b has failed twice
+        _train(stack, "dpoom", *FAULTS, watch=False)
+        train = _wait_for_train(stack, "dpoom")
+        stack.times["mem_limit run: deployment run to Failed"] = time.monotonic() - t0
+    finally:
+        _pool_memory(stack, "region-b", None)
+    _wait_for_exit(stack, [str(r.id) for r in _flow_runs(stack, "dpoom").values()])
+    line = killed_for_memory(limit)
+    runs = _all_flow_runs(stack, "dpoom/region-b")
+    assert [(r.state.type.value, r.state.message) for r in runs] == [("CRASHED", line)] * 2
+    for run in runs:
+        assert _containers(stack)[str(run.id)]["State"]["OOMKilled"] is True
+    assert train.state.type.value == "FAILED", train.state
+    assert f"region-b failed: {line}" in (train.state.message or ""), train.state.message
+    out = subprocess.run([DILOCO, "status", f"s3://{BUCKET}/{PREFIX}/dpoom"],
+                         env=stack.env(layout.VIEWER), text=True,
+                         capture_output=True, timeout=120, cwd=stack.tmp)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    said = [s for s in out.stdout.splitlines() if "killed for memory" in s]
+    assert said == [f"region-b failed: {line}"], out.stdout
+    say(request.config, f"killed for memory: {said[0]}")
