@@ -26,7 +26,8 @@ import torch
 from storage.objectstore import ObjectStore
 from workers import checkpoint
 from workers.island import Island
-from workers.model import PRESETS, build_model
+from workers.model import build_model
+from workers.model_config import PRESETS
 
 
 def _worker_state(preset: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:

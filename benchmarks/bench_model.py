@@ -53,7 +53,8 @@ def step_times(preset: str, steps: int, seq_len: int, threads: int) -> dict[str,
     import torch  # noqa: PLC0415
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
 
-    from workers.model import PRESETS, build_model  # noqa: PLC0415
+    from workers.model import build_model  # noqa: PLC0415
+    from workers.model_config import PRESETS  # noqa: PLC0415
 
     torch.set_num_threads(threads)
     c = PRESETS[preset]

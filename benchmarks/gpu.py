@@ -299,7 +299,7 @@ def fragment_sizes() -> dict[str, int]:
     """The largest fragment of the 150M model at P 6 and of the 1B model at P 11 (the
     recipes' P), cut as `diloco.arithmetic.split_sizes` cuts a model."""
     from diloco.arithmetic import split_sizes  # noqa: PLC0415
-    from workers.model import PRESETS  # noqa: PLC0415
+    from workers.model_config import PRESETS  # noqa: PLC0415
 
     return {"150M / 6": max(split_sizes(PRESETS["gpu-150m"].num_parameters(), 6)),
             "1B / 11": max(split_sizes(PRESETS["gpu-1b"].num_parameters(), 11))}

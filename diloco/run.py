@@ -2,19 +2,18 @@
 
 Every worker starts from the parameters stored here, not from its own random
 initialisation, so replicas in different regions begin bit-identical.
+
+Opening a run needs no torch: `diloco status`, `cancel` and `gc` read a run in a
+third of the CPU time without it, so torch is imported where a model is handled.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from diloco.config import SyncConfig
-from diloco.fragments import FragmentPlan, plan_fragments
 from diloco.schedule import Schedule
 from storage import layout
 from storage.backends import refuse_credentials
@@ -26,6 +25,12 @@ from storage.reach import patiently, reach_store, safe_url
 from storage.retry import RetryPolicy
 from storage.spec import CodecEntry, RunManifest, read_manifest, write_manifest
 
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from diloco.fragments import FragmentPlan
+
 
 def _store(url_or_store: str | ObjectStore, storage_options: dict | None) -> ObjectStore:
     if isinstance(url_or_store, ObjectStore):
@@ -36,6 +41,8 @@ def _store(url_or_store: str | ObjectStore, storage_options: dict | None) -> Obj
 def plan_for(model: nn.Module, config: SyncConfig, **kwargs: Any) -> FragmentPlan:
     """The fragment plan the config asks for (pattern, P, separate rest, and whether
     tensors may be split so each fragment holds 1/P of the parameters)."""
+    from diloco.fragments import plan_fragments  # noqa: PLC0415 - torch (module docstring)
+
     kwargs.setdefault("split", config.schedule.split_tensors)
     kwargs.setdefault("block_size", config.codec.block_size)
     return plan_fragments(
@@ -123,6 +130,8 @@ def open_run(url_or_store: str | ObjectStore, storage_options: dict | None = Non
 
 def load_initial(exchange: Exchange, fragments: int) -> list[torch.Tensor]:
     """The run's initial canonical parameters, one flat float32 vector per fragment."""
+    import torch  # noqa: PLC0415 - module docstring
+
     out = []
     for p in range(fragments):
         key = f"{layout.global_init(p)}.json"
@@ -151,6 +160,8 @@ def latest_global(exchange: Exchange, fragment: int) -> tuple[int, str] | None:
 def load_canonical(exchange: Exchange, plan: FragmentPlan, model: nn.Module) -> list[int]:
     """Load the newest canonical parameters into ``model``; returns the number of
     rounds applied per fragment (0 where only the initial parameters exist)."""
+    import torch  # noqa: PLC0415 - module docstring
+
     init = load_initial(exchange, len(plan))
     applied = []
     for p in range(len(plan)):

@@ -27,7 +27,7 @@ from diloco.config import SyncConfig
 from diloco.flat_keys import FLAT_KEYS, nest_flat_keys
 from storage.codecs import CODEC_NAMES
 from workers.config import RunConfig
-from workers.model import PRESETS, ModelConfig
+from workers.model_config import PRESETS, ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "configuration.md"

@@ -105,7 +105,8 @@ def _island(seed: int):
     from diloco.config import SyncConfig  # noqa: PLC0415
     from diloco.run import plan_for  # noqa: PLC0415
     from workers.island import ShardedIsland  # noqa: PLC0415
-    from workers.model import ModelConfig, build_model  # noqa: PLC0415
+    from workers.model import build_model  # noqa: PLC0415
+    from workers.model_config import ModelConfig  # noqa: PLC0415
 
     model = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2,
                                     max_seq_len=16), seed=seed)
@@ -212,7 +213,8 @@ def test_fsdp_island_resumes_from_its_checkpoint_exactly(tmp_path):
     assert sorted(ref["files"]) == files  # each rank has every rank's sizes and sha256
     assert ref["bytes"] == sum(store.size(f"{ref['key']}/{f}") for f in files)
     from workers.island import Island  # noqa: PLC0415
-    from workers.model import ModelConfig, build_model  # noqa: PLC0415
+    from workers.model import build_model  # noqa: PLC0415
+    from workers.model_config import ModelConfig  # noqa: PLC0415
     model = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2,
                                     max_seq_len=16), seed=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)

@@ -21,7 +21,8 @@ from workers.hf import (  # noqa: E402
     to_hf_state_dict,
     write_hf_model,
 )
-from workers.model import ModelConfig, build_model  # noqa: E402
+from workers.model import build_model  # noqa: E402
+from workers.model_config import ModelConfig  # noqa: E402
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,

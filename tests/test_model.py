@@ -12,14 +12,8 @@ import pytest
 import torch
 
 from diloco.fragments import find_blocks, plan_fragments
-from workers.model import (
-    PRESETS,
-    ModelConfig,
-    Rotary,
-    Transformer,
-    build_model,
-    describe,
-)
+from workers.model import Rotary, Transformer, build_model, describe
+from workers.model_config import PRESETS, ModelConfig
 
 # A model small enough that every test below runs in milliseconds.
 MINI = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=32)

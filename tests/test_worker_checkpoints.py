@@ -25,7 +25,8 @@ from storage.errors import CorruptObject, ObjectMissing
 from storage.objectstore import ObjectStore
 from workers import checkpoint
 from workers.island import Island
-from workers.model import ModelConfig, build_model
+from workers.model import build_model
+from workers.model_config import ModelConfig
 
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16)
 

@@ -30,7 +30,7 @@ from diloco.flat_keys import nest_flat_keys
 from storage import layout
 from storage.backends import open_backend, refuse_credentials, safe_url
 from workers.hf_config import from_hf_config
-from workers.model import PRESETS, ModelConfig
+from workers.model_config import PRESETS, ModelConfig
 from workers.sections import AggregatorConfig, BillingConfig, RetentionConfig, _Strict
 
 #: The shipped recipes (``workers/recipes/*.yaml``): package data, so a wheel installed

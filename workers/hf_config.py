@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from workers.model import ROPE_TYPES, ModelConfig
+from workers.model_config import ROPE_TYPES, ModelConfig
 
 #: model_type -> the architecture class name transformers registers for it.
 ARCHITECTURES = {
