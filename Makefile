@@ -34,6 +34,8 @@ check-image:
 	scripts/check-image
 
 # One run across two regions sharing only a bucket and the Prefect API, region B in
-# the image when check-image has built it (docs/cross-region.md).
+# the image when check-image has built it; `make rehearse POOLS=docker`: both regions
+# as Docker work pools, every job a container (as root; docs/cross-region.md).
+POOLS ?= process
 rehearse: setup
-	scripts/rehearse-regions
+	scripts/rehearse-regions --pools $(POOLS)

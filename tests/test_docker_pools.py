@@ -24,6 +24,7 @@ in one line, in its flow run's state and in `diloco status`.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -546,3 +547,34 @@ def test_a_container_killed_for_memory_says_so_in_one_line(
     said = [s for s in out.stdout.splitlines() if "killed for memory" in s]
     assert said == [f"region-b failed: {line}"], out.stdout
     say(request.config, f"killed for memory: {said[0]}")
+
+
+# -- the cross-region rehearsal on Docker pools ------------------------------------------
+
+
+def test_the_rehearsal_on_docker_pools_matches_the_process_pools(
+        docker_engine: DockerEngine, image: str, request: pytest.FixtureRequest) -> None:
+    """`scripts/rehearse-regions --pools docker` (make rehearse POOLS=docker): both
+    regions as Docker pools on this engine, an IAM user per role, region B's keys
+    refused region A's key; it passes, both regions ran the image's interpreter, and
+    its canonical eval loss is the process-pool rehearsal's, to the last bit (both
+    at quorum 1.0)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "rehearse-regions"
+    said, took = {}, {}
+    for pools in ("docker", "process"):
+        t0 = time.monotonic()
+        out = subprocess.run([str(script), "--pools", pools, "--no-image"], text=True,
+                             capture_output=True, timeout=1200,
+                             env={**{k: v for k, v in os.environ.items()
+                                     if not k.startswith("AWS_")}, **docker_engine.env()})
+        took[pools] = time.monotonic() - t0
+        assert out.returncode == 0 and "rehearse: PASS" in out.stdout, (
+            pools, out.stdout[-4000:], out.stderr[-2000:])
+        said[pools] = out.stdout
+    losses = {p: re.search(r"canonical eval loss (\S+)", text).group(1)  # type: ignore[union-attr]
+              for p, text in said.items()}
+    assert losses["docker"] == losses["process"] != "None", losses
+    assert "region B's keys may not write region A's" in said["docker"]
+    assert said["docker"].count("ran /opt/diloco/bin/python") == 2, said["docker"][-2000:]
+    say(request.config, f"rehearsal: canonical eval loss {losses} (docker pools "
+                        f"{took['docker']:.0f} s, process pools {took['process']:.0f} s)")
