@@ -288,8 +288,9 @@ class DeploymentLauncher:
         key = f"{self.key}:{name}" + (f":{attempt}" if attempt > 1 else "")
         deployment = self.deployment_for(name)
         run_id = run_url.rstrip("/").rsplit("/", 1)[-1]
+        launch = _api_retrying(run_deployment)
         try:
-            flow_run = run_deployment(
+            flow_run = launch(
                 deployment, parameters=self.parameters(run_url, name, join=join, claim=claim),
                 timeout=0,
                 idempotency_key=key, flow_run_name=f"{run_id}/{name}",
@@ -344,6 +345,41 @@ class DeploymentLauncher:
     def where(self, name: str) -> str:
         run_id = self.flow_runs.get(name)
         return f"flow run {run_id} (prefect flow-run logs {run_id})" if run_id else ""
+
+
+#: Tries of one launch against an API that answers 5xx or drops the connection, and
+#: the first wait (doubled each time): about 14 s in all, on top of Prefect's client's
+#: own retries of 429 and 503, which a server overloaded for longer (seen: a 503 that
+#: failed a whole train run) outlasts.
+LAUNCH_TRIES, LAUNCH_WAIT_S = 4, 2.0
+
+
+def _transient(exc: BaseException) -> bool:
+    """An API error worth another try: a 5xx answer, or no answer."""
+    import httpx  # noqa: PLC0415 - Prefect's HTTP client
+
+    if isinstance(exc, httpx.HTTPStatusError):
+        return exc.response.status_code >= 500
+    return isinstance(exc, httpx.TransportError)
+
+
+def _api_retrying(fn: Any) -> Any:
+    """``fn`` retried while the API fails transiently (`_transient`). Safe for a
+    launch: its idempotency key makes a second create return the first flow run."""
+    from tenacity import (  # noqa: PLC0415
+        retry,
+        retry_if_exception,
+        stop_after_attempt,
+        wait_exponential,
+    )
+
+    def note(state: Any) -> None:
+        log.warning("Prefect's API failed a launch (%s); try %d of %d",
+                    state.outcome.exception(), state.attempt_number + 1, LAUNCH_TRIES)
+
+    return retry(retry=retry_if_exception(_transient), stop=stop_after_attempt(LAUNCH_TRIES),
+                 wait=wait_exponential(multiplier=LAUNCH_WAIT_S, max=8 * LAUNCH_WAIT_S),
+                 before_sleep=note, reraise=True)(fn)
 
 
 def cancel_flow_runs(flow_run_ids: list[str], message: str) -> list[str]:
