@@ -109,7 +109,9 @@ def test_data_is_kept_across_restarts_on_other_ports(tmp_path):
         first.client().put_object(Bucket="kept", Key="k", Body=b"still here")
         old = first.ports
     with SeaweedFS(tmp_path / "s3", admin=admin) as second:
-        assert set(second.ports.values()).isdisjoint(old.values())
+        # every port given anew, none of the first start's flags kept (weed mini keeps
+        # them); a port may come back by chance under another flag, not as the same one
+        assert [flag for flag, port in second.ports.items() if old[flag] == port] == []
         assert second.client().get_object(Bucket="kept", Key="k")["Body"].read() == b"still here"
 
 
