@@ -2,6 +2,12 @@
 # no-op when .venv is current).
 .PHONY: setup run test containers lint bench check-image local-s3 rehearse
 
+# Let Python keep its bytecode cache (__pycache__, ignored by git and the image): a
+# shell that sets PYTHONDONTWRITEBYTECODE (some sandboxes and CI images do) makes every
+# process the suite starts compile the project's modules again, about 0.4 s of CPU
+# each (python -c "import flows.worker, flows.aggregator, cli": 3.8 s, cached 3.3 s).
+unexport PYTHONDONTWRITEBYTECODE
+
 setup:
 	scripts/setup
 
