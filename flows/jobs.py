@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -129,7 +130,14 @@ def flow_log(message: str, *args: Any, level: int = logging.INFO,
              fallback: logging.Logger | None = None) -> bool:
     """A line in the log of the Prefect flow (or task) run this code runs in, which
     the API keeps and the UI shows; outside one (a job of the local launcher), the
-    line goes to ``fallback`` if given. True if it went to a flow run's log."""
+    line goes to ``fallback`` if given. True if it went to a flow run's log.
+
+    A process that has not imported Prefect is in no flow run (the jobs the local
+    launcher starts never import it), and is not made to import it here."""
+    if "prefect" not in sys.modules:
+        if fallback is not None:
+            fallback.log(level, message, *args)
+        return False
     from prefect import get_run_logger  # noqa: PLC0415
     from prefect.exceptions import MissingContextError  # noqa: PLC0415
 

@@ -1,11 +1,11 @@
 """Launching a run's jobs: one interface, two backends.
 
 - `LocalLauncher`: the jobs are child processes of this one on this machine
-  (``python -m flows.worker`` / ``python -m flows.aggregator``), started with
-  subprocess (never fork: s3fs is not fork-safe), each in its own session so that
-  stopping one stops its torchrun ranks too. Their output goes to
-  ``<run>/logs/<job>.log`` for a local store, else to a temporary folder. They
-  need no Prefect API.
+  (``python -m flows.worker_job`` / ``python -m flows.aggregator_job``: the jobs of
+  the flows, without importing Prefect), started with subprocess (never fork: s3fs
+  is not fork-safe), each in its own session so that stopping one stops its
+  torchrun ranks too. Their output goes to ``<run>/logs/<job>.log`` for a local
+  store, else to a temporary folder. They need no Prefect API.
 - `DeploymentLauncher`: each job is a flow run of a deployment, created with
   ``run_deployment(..., timeout=0)`` (not waiting) and an idempotency key, so a
   retried parent never launches a job twice: the workers on ``worker/<worker>`` (the
@@ -115,14 +115,14 @@ class LocalLauncher:
     def command(self, run_url: str, name: str, *, join: bool = False,
                 claim: str | None = None) -> list[str]:
         if name == AGGREGATOR:
-            cmd = [sys.executable, "-m", "flows.aggregator", "--run", run_url]
+            cmd = [sys.executable, "-m", "flows.aggregator_job", "--run", run_url]
             if not self.evaluate:
                 cmd.append("--no-eval")
         elif shard_of(name):
-            cmd = [sys.executable, "-m", "flows.aggregator", "--run", run_url,
+            cmd = [sys.executable, "-m", "flows.aggregator_job", "--run", run_url,
                    "--shard", str(shard_of(name))]
         else:
-            cmd = [sys.executable, "-m", "flows.worker", "--run", run_url, "--worker", name,
+            cmd = [sys.executable, "-m", "flows.worker_job", "--run", run_url, "--worker", name,
                    "--nproc", str(1 if join else self.nproc)]
             if join:
                 cmd.append("--join")

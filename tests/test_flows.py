@@ -223,7 +223,7 @@ def test_a_worker_blocked_on_a_mean_still_stops(data_url, tmp_path, monkeypatch)
     """region-a alone: its first merge waits for region-b's contribution, which
     never comes. Asked to stop, it gives up after its patience, without a new
     checkpoint, and says so; it resumes from its last periodic one."""
-    import flows.worker as worker_job  # noqa: PLC0415
+    import flows.worker_job as worker_job  # noqa: PLC0415
 
     monkeypatch.setattr(worker_job, "BLOCKED_PATIENCE_S", 2.0)
     cfg = micro(data_url, tmp_path, "train.steps=40", "train.checkpoint_every=2")

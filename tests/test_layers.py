@@ -68,7 +68,7 @@ PRIVATE_EXCEPTIONS = {
     ("storage/tied.py", "os._exit"): "the standard library's exit without cleanup",
     ("workers/group_exit.py", "os._exit"): "the standard library's exit without cleanup",
     ("flows/__init__.py", "os._exit"): "the standard library's exit without cleanup",
-    ("flows/worker.py", "os._exit"): "the standard library's exit without cleanup",
+    ("flows/worker_job.py", "os._exit"): "the standard library's exit without cleanup",
     ("storage/backends.py", "type(fs)._strip_protocol"):
         "fsspec's classmethod for a path without its protocol (its documented API)",
     ("storage/backends.py", "fs._call_s3"):
@@ -257,3 +257,21 @@ def test_reading_a_run_imports_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout[:500]
+
+
+def test_the_local_jobs_import_no_prefect() -> None:
+    """The local launcher's jobs (``python -m flows.worker_job`` and ``-m
+    flows.aggregator_job``) are not flow runs: each would spend a second of CPU
+    importing Prefect for nothing, and a line they log goes to their own log."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    code = ("import logging, sys, flows.worker_job, flows.aggregator_job\n"
+            "logging.basicConfig(level=logging.INFO)\n"
+            "from flows.jobs import flow_log\n"
+            "went = flow_log('a line %s', 1, fallback=logging.getLogger('job'))\n"
+            "print(went, sorted(m for m in sys.modules if m.split('.')[0] == 'prefect'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "False []", out.stdout[:500]
+    assert "a line 1" in out.stderr
