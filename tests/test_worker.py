@@ -167,6 +167,34 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           capture_output=True, timeout=timeout)
 
 
+@pytest.fixture
+def main_here(capsys):
+    """``python -m workers ARGS`` run by its ``main`` in this process (the same parsing,
+    checks, messages and exit status, without a torch start-up of its own):
+    ``main_here(*args) -> (status, stderr)``. The signal handlers and root logger that
+    ``main`` sets for its process are put back afterwards."""
+    import logging  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    from workers.__main__ import main  # noqa: PLC0415
+
+    def run(*args: str) -> tuple[int, str]:
+        capsys.readouterr()
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level
+        signals = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            code = main(list(args))
+        finally:
+            root.handlers[:] = handlers
+            root.setLevel(level)
+            for sig, handler in signals.items():
+                signal.signal(sig, handler)
+        return code, capsys.readouterr().err
+
+    return run
+
+
 def test_cli_help_describes_everything():
     out = cli("--help")
     assert out.returncode == 0
@@ -175,15 +203,15 @@ def test_cli_help_describes_everything():
         assert flag in out.stdout
 
 
-def test_unknown_config_field_is_named(tmp_path):
-    out = cli("--run", str(tmp_path / "r"), "--create", "--set", "train.stpes=10")
-    assert out.returncode == 2
-    assert "train: unknown field(s) stpes" in out.stderr
-    assert "allowed: steps" in out.stderr
+def test_unknown_config_field_is_named(tmp_path, main_here):
+    code, err = main_here("--run", str(tmp_path / "r"), "--create", "--set", "train.stpes=10")
+    assert code == 2
+    assert "train: unknown field(s) stpes" in err
+    assert "allowed: steps" in err
     assert not (tmp_path / "r" / "run.json").exists()
 
 
-def test_missing_data_is_named(tmp_path):
+def test_missing_data_is_named(tmp_path, main_here):
     url = str(tmp_path / "r")
     cfg = load_config("tiny", [*MICRO, f"data.dataset={tmp_path / 'nodata'}"])
     # create the run with a dataset, then point the manifest at a missing one
@@ -192,12 +220,12 @@ def test_missing_data_is_named(tmp_path):
     manifest = json.loads((tmp_path / "r" / "run.json").read_text())
     manifest["config"]["data"]["dataset"] = str(tmp_path / "gone")
     (tmp_path / "r" / "run.json").write_text(json.dumps(manifest))
-    out = cli("--run", url, "--worker", "region-a")
-    assert out.returncode == 2
-    assert str(tmp_path / "gone") in out.stderr and "workers.data prepare" in out.stderr
+    code, err = main_here("--run", url, "--worker", "region-a")
+    assert code == 2
+    assert str(tmp_path / "gone") in err and "workers.data prepare" in err
 
 
-def test_manifest_that_does_not_match_the_model(tmp_path, dataset):
+def test_manifest_that_does_not_match_the_model(tmp_path, main_here):
     url = str(tmp_path / "r")
     data_url = str(tmp_path / "data")
     prepare_data(["builtin:shakespeare"], data_url, max_bytes=50_000)
@@ -205,32 +233,34 @@ def test_manifest_that_does_not_match_the_model(tmp_path, dataset):
     manifest = json.loads((tmp_path / "r" / "run.json").read_text())
     manifest["config"]["model"]["overrides"]["d_model"] = 32
     (tmp_path / "r" / "run.json").write_text(json.dumps(manifest))
-    out = cli("--run", url, "--worker", "region-a")
-    assert out.returncode == 2
-    assert "the model has parameter" in out.stderr and "where the run has" in out.stderr
+    code, err = main_here("--run", url, "--worker", "region-a")
+    assert code == 2
+    assert "the model has parameter" in err and "where the run has" in err
 
 
-def test_unknown_worker_and_missing_run(tmp_path):
-    out = cli("--run", str(tmp_path / "nothing"), "--worker", "region-a")
-    assert out.returncode == 2
-    assert "manifest" in out.stderr and str(tmp_path / "nothing") in out.stderr
+def test_unknown_worker_and_missing_run(tmp_path, main_here):
+    code, err = main_here("--run", str(tmp_path / "nothing"), "--worker", "region-a")
+    assert code == 2
+    assert "manifest" in err and str(tmp_path / "nothing") in err
     assert not (tmp_path / "nothing").exists()  # nothing written
 
 
-def test_unreachable_store_fails_with_its_url(monkeypatch):
+def test_unreachable_store_fails_with_its_url(monkeypatch, main_here):
     # credentials from the environment: on the command line they are refused
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
-    out = cli("--run", "s3://diloco-test/run", "--worker", "region-a",
-              "--storage-option", "endpoint_url=http://127.0.0.1:9", timeout=180)
-    assert out.returncode == 2
-    assert "cannot reach the store s3://diloco-test/run" in out.stderr
+    code, err = main_here("--run", "s3://diloco-test/run", "--worker", "region-a",
+                          "--storage-option", "endpoint_url=http://127.0.0.1:9")
+    assert code == 2
+    assert "cannot reach the store s3://diloco-test/run" in err
 
 
 def test_sigterm_checkpoints_and_the_worker_resumes(tmp_path, dataset):
     """The way a scheduler stops a job: SIGTERM to `python -m workers`. The worker
     saves a checkpoint and exits with 143; started again it resumes there and ends
-    with exactly the parameters of an uninterrupted run."""
+    with exactly the parameters of an uninterrupted run. (The stopped job is a
+    process of its own; the uninterrupted run and the restart train in this process,
+    as `python -m workers` does: `WorkerLoop.open(url, worker).run()`.)"""
     import signal  # noqa: PLC0415
     import time  # noqa: PLC0415
 
@@ -251,6 +281,7 @@ def test_sigterm_checkpoints_and_the_worker_resumes(tmp_path, dataset):
         t = threading.Thread(target=agg.run, args=(stop, 300))
         t.start()
         cmd = [sys.executable, "-m", "workers", "--run", url, "--worker", "solo"]
+        loop = None
         try:
             if interrupt:
                 proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
@@ -268,10 +299,11 @@ def test_sigterm_checkpoints_and_the_worker_resumes(tmp_path, dataset):
                 assert "interrupted_after" in out
                 stopped = json.loads(out.strip().splitlines()[-1])["interrupted_after"]
                 assert checkpoint.latest_step(ObjectStore(url), "solo") == stopped
-            done = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=300)
-            assert done.returncode == 0, done.stderr[-2000:]
-            result = json.loads(done.stdout.strip().splitlines()[-1])
+            loop = WorkerLoop.open(url, "solo")
+            result = json.loads(json.dumps(loop.run().to_dict()))  # the result line's
         finally:
+            if loop is not None:
+                loop.close()
             t.join(120)
             stop.set()
         return result, agg
