@@ -7,13 +7,15 @@ holding the document `infra.policies.role_policies` derives from
 
 - every kind of key: its owner may write it (and delete it where it prunes),
   every other role is denied, and `infra.iam.allowed` says the same as the server;
-- a run with each party on its own credentials, as in different clouds: this
+- a run with each party on its own credentials, as in different clouds (on
+  SeaweedFS, whose IAM also enforces ListBucket's ``s3:prefix`` conditions): this
   process is the launcher (creates the run, prepares the data, tracks it in MLflow,
   cancels it mid-run and resumes it), the aggregator and each worker are processes
   with their role's keys. It finishes with nothing denied (status writes that fail
   are only warnings, so the logs are read too), and every key it wrote is declared
   in the layout and writable by its owner's policy only;
-- a worker that tries another worker's keys or the aggregator's mean is refused.
+- a worker that tries another worker's keys or the aggregator's mean is refused
+  (on both servers; moto's holds a copy of the run).
 """
 
 from __future__ import annotations
@@ -45,16 +47,36 @@ DENIED = re.compile(r"AccessDenied|Access Denied|Forbidden|PermissionError|could
                     re.IGNORECASE)
 
 
-@pytest.fixture(scope="module", params=["moto", "seaweedfs"])
-def server(request) -> Any:
-    """The enforcing server, the bucket, and ``(documents, environments)`` per role:
-    moto's IAM aligned with AWS, and SeaweedFS's own IAM (a real object store)."""
-    with (IAMS3Server() if request.param == "moto" else SeaweedIAMServer()) as srv:
+def _enforcing(kind: str) -> Any:
+    with (IAMS3Server() if kind == "moto" else SeaweedIAMServer()) as srv:
         srv.client("s3", srv.admin).create_bucket(Bucket=BUCKET)
         documents = role_policies(BUCKET, PREFIX, WORKERS)
         envs = {role: srv.user(policy_file_name(role)[: -len(".json")], doc)
                 for role, doc in documents.items()}
         yield srv, documents, envs
+
+
+@pytest.fixture(scope="module")
+def moto_iam() -> Any:
+    """moto's IAM, aligned with AWS: ``(server, documents, environments)``."""
+    yield from _enforcing("moto")
+
+
+@pytest.fixture(scope="module")
+def seaweedfs_iam() -> Any:
+    """SeaweedFS's own IAM (a real object store): ``(server, documents, environments)``."""
+    yield from _enforcing("seaweedfs")
+
+
+# Both servers, for what each enforces itself: the table of every key and role, the
+# setup refusal and a worker refused through the store (moto refuses a DeleteObjects
+# as a whole, SeaweedFS key by key in its answer: two paths of the store). The real
+# run goes to SeaweedFS only (`role_run`).
+@pytest.fixture(scope="module", params=["moto", "seaweedfs"])
+def server(request) -> Any:
+    """The enforcing server, the bucket, and ``(documents, environments)`` per role:
+    moto's IAM aligned with AWS, and SeaweedFS's own IAM (a real object store)."""
+    return request.getfixturevalue(f"{request.param}_iam")
 
 
 # -- the table ---------------------------------------------------------------------------
@@ -203,9 +225,14 @@ def _keys(admin: Any) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def role_run(server, tmp_path_factory) -> dict[str, Any]:
+def role_run(seaweedfs_iam, tmp_path_factory) -> dict[str, Any]:
     """The run, cancelled after its first checkpoint and resumed: the two reports,
-    every key in the bucket, the jobs' logs and this process's warnings."""
+    every key in the bucket, the jobs' logs and this process's warnings.
+
+    On SeaweedFS only (one run: six job processes): its IAM enforces all that moto's
+    does on the keys of a run and more (the ``s3:prefix`` conditions of ListBucket,
+    which moto does not evaluate); both servers enforce the table of every key and
+    role above. The worker refused below runs on both, moto's on a copy of this run."""
     from flows.control import request_cancel
     from flows.launchers import AGGREGATOR, LocalLauncher
     from flows.train import run_train
@@ -213,7 +240,7 @@ def role_run(server, tmp_path_factory) -> dict[str, Any]:
     from workers.config import load_config
     from workers.status import read_all
 
-    srv, _, envs = server
+    srv, documents, envs = seaweedfs_iam
     tmp = tmp_path_factory.mktemp("roles")
     job_env = {name: envs[AGGREGATOR if name == AGGREGATOR else f"worker:{name}"]
                for name in [AGGREGATOR, *WORKERS]}
@@ -232,6 +259,7 @@ def role_run(server, tmp_path_factory) -> dict[str, Any]:
     for name, value in envs[layout.LAUNCHER].items():  # this process is the launcher
         patch.setenv(name, value)
     patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp}/mlflow.db")
+    patch.setenv("DILOCO_SYSTEM_METRICS", "off")  # not this test's subject (CPU)
     warnings = _Warnings()
     logging.getLogger().addHandler(warnings)
     url = f"s3://{BUCKET}/{PREFIX}/{RUN}"
@@ -272,7 +300,8 @@ def role_run(server, tmp_path_factory) -> dict[str, Any]:
     return {"first": first, "second": second, "keys": _keys(admin), "seconds": seconds,
             "cancelled_keys": cancelled_keys,
             "logs": {p.name: p.read_text(errors="replace") for p in logs.glob("*.log")},
-            "warnings": warnings.lines, "admin": admin}
+            "warnings": warnings.lines, "admin": admin, "server": srv,
+            "documents": documents}
 
 
 @pytest.mark.slow
@@ -302,8 +331,8 @@ def test_a_run_with_each_party_on_its_own_credentials_finishes(role_run):
 
 
 @pytest.mark.slow
-def test_every_key_of_the_run_is_declared_and_only_its_owner_may_write_it(role_run, server):
-    _, documents, _ = server
+def test_every_key_of_the_run_is_declared_and_only_its_owner_may_write_it(role_run):
+    documents = role_run["documents"]
     undeclared, wrong = [], []
     seen: set[str] = set()
     for key in sorted({*role_run["keys"], *role_run["cancelled_keys"]}):
@@ -342,6 +371,11 @@ def test_a_worker_is_refused_another_workers_keys_and_the_mean(role_run, server)
     from storage.spec import read_manifest
 
     srv, _, envs = server
+    admin = srv.client("s3", srv.admin)
+    if srv is not role_run["server"]:  # moto: the run's objects, copied by the admins
+        for key in role_run["keys"]:
+            body = role_run["admin"].get_object(Bucket=BUCKET, Key=key)["Body"].read()
+            admin.put_object(Bucket=BUCKET, Key=key, Body=body)
     env = envs["worker:region-a"]
     options = {"key": env["AWS_ACCESS_KEY_ID"], "secret": env["AWS_SECRET_ACCESS_KEY"],
                "endpoint_url": srv.endpoint_url, "client_kwargs": {"region_name": "us-east-1"}}
@@ -362,7 +396,6 @@ def test_a_worker_is_refused_another_workers_keys_and_the_mean(role_run, server)
     assert published.created
     # another's checkpoint it cannot delete, and is told so (s3fs's own rm would
     # drop the refusal of its quiet DeleteObjects): one key, then a whole prefix
-    admin = role_run["admin"]
     theirs = [k for k in role_run["cancelled_keys"] if "/workers/region-b/ckpt/" in k]
     commit = next(k for k in theirs if k.endswith(".json")).split("/", 2)[2]
     admin.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{RUN}/{commit}", Body=b"{}")  # gc took it
