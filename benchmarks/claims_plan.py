@@ -31,6 +31,10 @@ CLAIMS = ("C1", "C2", "C3", "C4", "C5", "C6", "C7", "C8", "C9")
 #: the quality benchmark's sweep at 600 steps in every mode (docs/results.md)
 OUTER = (1.0, 0.0)
 NESTEROV = (0.7, 0.9)  # the DiLoCo paper's
+#: One contiguous range of the corpus per data slot (``data.slot_blocks`` = 1): the split
+#: every claim run read before that key existed (on Shakespeare, each DiLoCo worker of
+#: M = 2 its own half of the plays).
+CONTIGUOUS = "data.slot_blocks=1"
 TOL = 0.01  # "matches", "costs little": within 1% of the reference's eval loss
 #: C9's middle size: 4 blocks of width 192 (1.8M parameters), between the reference
 #: model and tiny (small, 21M, at equal tokens per parameter is beyond two cores:
@@ -110,9 +114,9 @@ class Spec:
     def overrides(self, profile: Profile, seed: int) -> list[str]:
         """The recipe (benchmarks/recipe.py's reference, at the profile's sizes) and
         the seed: model init and data order (``train.seed``). ``data.slots`` = M: each
-        DiLoCo worker reads half the corpus at M = 2, as a data-parallel rank does (the
-        default, 2M slots, leaves room for joiners and has the M workers read only the
-        first half of the corpus, which data-parallel's ranks read all of)."""
+        DiLoCo worker reads half the corpus at M = 2, as a data-parallel rank does;
+        `CONTIGUOUS`: one range per slot, as every claim run before ``data.slot_blocks``
+        existed read, so that all claims are measured on the same split."""
         model = self.model if self.model is not None else profile.model
         return [f"model.preset={self.preset}", f"model.overrides={model}",
                 f"data.seq_len={profile.seq_len}", f"data.batch_size={profile.batch_size}",
@@ -120,11 +124,13 @@ class Spec:
                 "train.eval_every=0", f"train.eval_batches={profile.eval_batches}",
                 "train.checkpoint_every=0", "train.log_every=10", "train.threads=1",
                 f"train.seed={seed}", "sync.membership.quorum=1.0",
-                f"data.slots={self.contender.workers}"]
+                f"data.slots={self.contender.workers}", CONTIGUOUS]
 
     def key(self, profile: Profile, seed: int) -> str:
         """What makes two runs the same: the whole config they train with."""
-        what = [self.kind, self.data, self.contender.overrides(), self.overrides(profile, seed),
+        said = [o for o in self.overrides(profile, seed) if o != CONTIGUOUS]  # what the
+        # runs before the key existed trained with, and their keys in claims.jsonl say
+        what = [self.kind, self.data, self.contender.overrides(), said,
                 list(profile.elastic) if self.kind == "elastic" else []]
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
 

@@ -265,6 +265,44 @@ def test_even_split_is_disjoint_and_covering(dataset: TokenDataset) -> None:
     assert flat[0] == (0, 257) and flat[1] == (257, 514)  # w*1800//7
 
 
+def test_even_slots_are_spread_over_the_whole_corpus(dataset: TokenDataset,
+                                                     tmp_path: Path) -> None:
+    """With blocks, each slot reads from every part of a corpus stored in order (the
+    files a, b, c one after the other): two starting workers of four slots see all
+    three files, where one contiguous range each left them only a and b."""
+    n = len(dataset.train_tokens)  # 1800: 9 tokens a sequence, 16 sequences a block
+    small = [WorkerStream(dataset, w, 4, seq_len=8, batch_size=2, blocks=64) for w in range(4)]
+    assert [len(s.ranges) for s in small] == [3, 3, 3, 3]  # 12 blocks of 150, not 4 x 64
+    flat = sorted(r for s in small for r in s.ranges)
+    assert flat[0][0] == 0 and flat[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(flat, flat[1:], strict=False))  # disjoint, covering
+    assert small[0].ranges == [(0, 150), (600, 750), (1200, 1350)]  # blocks 0, 4, 8
+
+    ordered = prepared(["a" * 4000, "b" * 4000, "c" * 4000], tmp_path, val_fraction=0.1)
+    for w in range(2):
+        s = WorkerStream(ordered, w, 4, seq_len=4, batch_size=64, blocks=64)
+        letters = set(BYTE.decode(np.concatenate(
+            [s.next_batch()[0].numpy() for _ in range(4)]).ravel()))
+        assert letters == {"a", "b", "c"}, (w, s.ranges[:3])
+    contiguous = WorkerStream(ordered, 1, 4, seq_len=4, batch_size=64)
+    assert contiguous.ranges == [(2700, 5400)]  # blocks=1: the old split, bit for bit
+    assert set(BYTE.decode(np.concatenate(
+        [contiguous.next_batch()[0].numpy() for _ in range(4)]).ravel())) == {"a", "b"}
+
+
+def test_a_run_made_before_slot_blocks_reads_its_old_slots() -> None:
+    """A manifest without ``data.slot_blocks`` is a run that started on one range per
+    slot; resumed, it must read the same data, while a new run gets the spread."""
+    from workers.config import RunConfig  # noqa: PLC0415
+
+    new = RunConfig.model_validate({})
+    assert new.data.slot_blocks == 64
+    stored = new.model_dump(mode="json")
+    assert RunConfig.stored(stored).data.slot_blocks == 64
+    del stored["data"]["slot_blocks"]
+    assert RunConfig.stored(stored).data.slot_blocks == 1
+
+
 def test_by_file_assignment(dataset: TokenDataset) -> None:
     files = dataset.files
     w0 = WorkerStream(dataset, 0, 2, split="by_file", seq_len=16, batch_size=32)

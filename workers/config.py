@@ -152,6 +152,14 @@ class DataConfig(_Strict):
         description="equal shares the train tokens are cut into, one per member; 0: twice "
         "the workers (split even, leaving room for as many joiners) or the workers (by_file)",
     )
+    slot_blocks: int = Field(
+        default=64, ge=1,
+        description="split even: blocks each slot is made of, spread over the whole corpus "
+        "(slot s holds blocks s, s + slots, ...), so every slot, and so the starting workers "
+        "when there are more slots than workers, reads from every part of a corpus stored in "
+        "order; fewer when a block would hold under 16 sequences; 1: one contiguous range "
+        "per slot (runs created before this key existed)",
+    )
 
     @field_validator("worker_batch_size")
     @classmethod
@@ -282,6 +290,7 @@ class RunConfig(_Strict):
     def stored(cls, data: dict[str, Any]) -> RunConfig:
         """The config stored in a run manifest, whatever version wrote it: an old run's
         flat ``sync`` keys are read without the deprecation warning a recipe gets."""
+        data = _before_slot_blocks(data)
         with quiet_deprecations():
             return cls.model_validate(data)
 
@@ -291,6 +300,15 @@ class RunConfig(_Strict):
 
     def dataset_url(self, run_url: str) -> str:
         return self.data.dataset or f"{run_url.rstrip('/')}/{layout.DATASET}"
+
+
+def _before_slot_blocks(stored: dict[str, Any]) -> dict[str, Any]:
+    """A manifest written before ``data.slot_blocks`` existed: its slots were one
+    contiguous range each, and a resumed run must read the data it started on."""
+    data = stored.get("data")
+    if isinstance(data, dict) and "slot_blocks" not in data:
+        return {**stored, "data": {**data, "slot_blocks": 1}}
+    return stored
 
 
 def _url_without_credentials(url: str | None) -> str | None:

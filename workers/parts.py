@@ -133,6 +133,7 @@ def build(run_url: str, worker: str, *, storage_options: dict | None = None,
     stream = WorkerStream(
         dataset, stream_index, stream_count, split=cfg.data.split,
         seq_len=cfg.data.seq_len, batch_size=b, seed=cfg.train.seed,
+        blocks=cfg.data.slot_blocks,
     )
     val = val_batches(dataset, seq_len=cfg.data.seq_len, batch_size=b,
                       num_batches=cfg.train.eval_batches)

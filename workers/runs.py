@@ -81,7 +81,8 @@ def _usable(dataset: TokenDataset, cfg: RunConfig) -> None:
              else cfg.data.slot_count(len(cfg.workers)))
     try:
         for slot in range(slots):
-            WorkerStream(dataset, slot, slots, split=split, seq_len=seq, batch_size=1)
+            WorkerStream(dataset, slot, slots, split=split, seq_len=seq, batch_size=1,
+                         blocks=cfg.data.slot_blocks)
         check_val(dataset, seq)
     except ValueError as exc:
         raise ConfigError(f"data: {exc}") from None

@@ -174,12 +174,22 @@ def _windows(tokens: LazyTokens, starts: np.ndarray, seq_len: int) -> Batch:
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
+#: A block of a worker's share (split even) holds at least this many sequences: the
+#: windows that would cross from one block into the next are not drawn, at most one
+#: in 16 of a block's.
+MIN_BLOCK_WINDOWS = 16
+
+
 class WorkerStream:
     """The training batches of worker ``worker_index`` of ``num_workers``.
 
-    ``split="even"``: the train tokens are cut into ``num_workers`` contiguous,
-    equal ranges (worker w gets ``[w*N//W, (w+1)*N//W)``); every worker sees the
-    same mix of files. ``split="by_file"``: file i goes to worker ``i %
+    ``split="even"``: the train tokens are cut into ``num_workers * blocks`` equal
+    blocks, and worker w gets blocks ``w, w + W, w + 2W, ...``: every worker reads
+    from every part of the corpus, so on a corpus stored in order (play after play)
+    every worker sees the same mix. ``blocks`` shrinks until a block holds
+    `MIN_BLOCK_WINDOWS` sequences; ``blocks=1`` is one contiguous range per worker
+    (``[w*N//W, (w+1)*N//W)``), what runs made before ``data.slot_blocks`` read.
+    ``split="by_file"``: file i goes to worker ``i %
     num_workers``, so workers see different distributions (the non-i.i.d. case);
     windows stay inside one file, and files shorter than ``seq_len + 1`` tokens
     give none.
@@ -200,6 +210,7 @@ class WorkerStream:
         seq_len: int,
         batch_size: int,
         seed: int = 0,
+        blocks: int = 1,
     ) -> None:
         if num_workers < 1 or not 0 <= worker_index < num_workers:
             raise ValueError(
@@ -216,6 +227,7 @@ class WorkerStream:
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.seed = seed
+        self.blocks = max(1, blocks)
         self.batch_index = 0
         self.ranges = self._assign()
         lengths = np.array([b - a for a, b in self.ranges], dtype=np.int64)
@@ -239,7 +251,9 @@ class WorkerStream:
                     f"and one sequence takes seq_len + 1 = {need}; use fewer workers, a "
                     "shorter seq_len or more data"
                 )
-            return [(a, b)]
+            k = max(1, min(self.blocks, total // (n * need * MIN_BLOCK_WINDOWS)))
+            cuts = n * k
+            return [(i * total // cuts, (i + 1) * total // cuts) for i in range(w, cuts, n)]
         if self.split != "by_file":
             raise ValueError(f"split must be 'even' or 'by_file', got {self.split!r}")
         files = ds.files
