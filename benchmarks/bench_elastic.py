@@ -69,6 +69,8 @@ from benchmarks.report import (
 MODEL = "{d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}"
 STEP_S = [0.0]  # --step-s, for every worker this benchmark starts
 SCENARIOS = ("fault-free", "kill-restart", "kill", "straggler", "join")
+#: run on request only: w3 killed at 1/3 and w4 joining at 1/2 in one run (claim C3)
+MORE_SCENARIOS = ("drop-join",)
 FAULTED, JOINER, FAST = "w3", "w4", ("w0", "w1", "w2")
 log = logging.getLogger("benchmarks.elastic")
 
@@ -80,7 +82,7 @@ def overrides(args: argparse.Namespace, data_url: str) -> list[str]:
         f"data.dataset={data_url}", "data.seq_len=64", f"data.batch_size={args.batch_size}",
         "optim.warmup_steps=10", f"train.steps={args.steps}", "train.eval_every=0",
         "train.eval_batches=16", f"train.checkpoint_every={args.sync_every}",
-        "train.log_every=1", "train.threads=1", "train.seed=0", "train.keep_checkpoints=0",
+        "train.log_every=1", "train.threads=1", f"train.seed={args.seed}", "train.keep_checkpoints=0",
         f"sync.schedule.sync_every={args.sync_every}", f"sync.liveness.lease_s={args.lease_s}",
         f"sync.membership.grace_min_s={args.grace_min_s}", f"sync.membership.grace_max_s={args.grace_max_s}",
         "sync.liveness.poll_max_s=0.1", "sync.membership.absent_deadline_s=5", "sync.liveness.stall_after_s=600",
@@ -221,9 +223,9 @@ def run_scenario(name: str, args: argparse.Namespace, data_url: str, wd: Path) -
     from workers.config import load_config  # noqa: PLC0415
     from workers.runs import create_run  # noqa: PLC0415
 
-    url = str(wd / name)
+    url = str(wd / (name if not args.seed else f"{name}-s{args.seed}"))
     create_run(load_config("tiny", overrides(args, data_url)), url)
-    logs = wd / f"{name}.log"
+    logs = wd / f"{Path(url).name}.log"
     agg = Proc("aggregator", [sys.executable, "-m", "workers", "--run", url, "--aggregate",
                               "--log-level", "WARNING"], logs)
     slow = args.slow_factor if name == "straggler" else 1.0
@@ -248,9 +250,10 @@ def run_scenario(name: str, args: argparse.Namespace, data_url: str, wd: Path) -
         # the restarted w3 and the joiner are started now, importing only, and told
         # to go at their moment: the figures show the elastic path, not Python's imports
         late = None
-        if name in ("kill-restart", "join"):
+        joins = name in ("join", "drop-join")
+        if name == "kill-restart" or joins:
             who = FAULTED if name == "kill-restart" else JOINER
-            late = Proc(who, _worker_cmd(url, who, join=name == "join", preload=True), logs,
+            late = Proc(who, _worker_cmd(url, who, join=joins, preload=True), logs,
                         wait_go=True)
             everyone.append(late)
         done_kill = done_restart = done_join = False
@@ -258,7 +261,8 @@ def run_scenario(name: str, args: argparse.Namespace, data_url: str, wd: Path) -
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name}: not finished after {args.timeout:.0f} s")
             lead = procs[0].step
-            if name in ("kill", "kill-restart") and not done_kill and lead >= steps // 3:
+            if name in ("kill", "kill-restart", "drop-join") and not done_kill \
+                    and lead >= steps // 3:
                 procs[3].kill()
                 done_kill = True
                 events.append({"event": "kill", "worker": FAULTED, "at_step": procs[3].step,
@@ -270,7 +274,7 @@ def run_scenario(name: str, args: argparse.Namespace, data_url: str, wd: Path) -
                 done_restart = True
                 events.append({"event": "restart", "worker": FAULTED, "lead_step": lead,
                                "t": time.time() - t0})
-            if name == "join" and not done_join and lead >= steps // 2:
+            if joins and not done_join and lead >= steps // 2:
                 late.go()
                 procs.append(late)
                 done_join = True
@@ -457,7 +461,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 LABELS = {"fault-free": "fault-free (4 workers)",
           "kill-restart": "w3 SIGKILLed at 1/3, restarted at 2/3",
           "kill": "w3 SIGKILLed at 1/3, never back",
-          "straggler": "w3 slowed x{f:g} throughout", "join": "w4 joins at 1/2"}
+          "straggler": "w3 slowed x{f:g} throughout", "join": "w4 joins at 1/2",
+          "drop-join": "w3 SIGKILLed at 1/3, never back; w4 joins at 1/2"}
 
 
 def _pct(x: float | None, plus: bool = True) -> str:
@@ -555,6 +560,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=MODEL, help="model.overrides")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--slow-factor", type=float, default=3.0)
+    p.add_argument("--seed", type=int, default=0, help="train.seed: model init and data order")
     p.add_argument("--step-s", type=float, default=0.25,
                    help="simulated accelerator seconds per step (a sleep in every worker), "
                    "so that on a few shared cores a worker's speed does not depend on how "
@@ -573,17 +579,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
     if (saved := rerendered(args, markdown)) is not None:
         return saved
-    unknown = set(args.scenarios.split(",")) - set(SCENARIOS) - {""}
+    unknown = set(args.scenarios.split(",")) - set(SCENARIOS) - set(MORE_SCENARIOS) - {""}
     if unknown:
         parser().error(f"--scenarios: unknown {', '.join(sorted(unknown))}; allowed: "
-                       f"{', '.join(SCENARIOS)}")
+                       f"{', '.join(SCENARIOS + MORE_SCENARIOS)}")
     STEP_S[0] = args.step_s
     env = environment(argv, "benchmarks.bench_elastic")
     stop_on_sigterm()
     results, seconds = timed(lambda: run(args))
     report = {
         "environment": env, "wall_seconds": seconds,
-        "settings": {"steps": args.steps, "sync_every": args.sync_every,
+        "settings": {"steps": args.steps, "sync_every": args.sync_every, "seed": args.seed,
                      "model": args.model, "slow_factor": args.slow_factor,
                      "tokens_per_step": args.batch_size * 64, "lease_s": args.lease_s,
                      "step_s": args.step_s,

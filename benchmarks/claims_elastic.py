@@ -1,19 +1,13 @@
 """Claim C3's runs: a worker dropping at a third and one joining at a half, against
-the fault-free run of the same seed, through bench_elastic's parties.
-
-bench_elastic has the two faults as separate scenarios, each at seed 0; the claim
-asks for both in one run and for seeds. This module drives the same processes
-(``bench_elastic.Proc``: its worker command, the aggregator as ``python -m workers
---aggregate``) with bench_elastic's recipe at ``train.seed`` = the seed, and
-measures the same way (``bench_elastic.measure``: applied tokens, the audit, the
-canonical model's eval loss; the fault-free run's canonical checkpoints evaluated
-and interpolated at the faulty run's applied tokens).
+the fault-free run of the same seed: bench_elastic's ``drop-join`` and ``fault-free``
+scenarios at ``--seed`` = the seed (its processes, recipe and measures: applied
+tokens, the audit, the canonical model's eval loss; the fault-free run's canonical
+checkpoints evaluated and interpolated at the faulty run's applied tokens).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,66 +19,12 @@ def options(argv: list[str]) -> argparse.Namespace:
     return be.parser().parse_args(argv)
 
 
-def recipe(args: argparse.Namespace, data_url: str, seed: int) -> list[str]:
-    """bench_elastic's overrides at ``seed`` (model init and data order)."""
-    return [f"train.seed={seed}" if o == "train.seed=0" else o
-            for o in be.overrides(args, data_url)]
-
-
 def scenario(name: str, args: argparse.Namespace, data_url: str, wd: Path,
              seed: int) -> dict[str, Any]:
-    """``fault-free`` or ``drop-join`` (w3 SIGKILLed when w0 is a third of the way in,
-    never back; w4 joins when w0 is halfway); bench_elastic's measures."""
-    from workers.config import load_config  # noqa: PLC0415
-    from workers.runs import create_run  # noqa: PLC0415
-
+    """bench_elastic's scenario ``name`` (``fault-free`` or ``drop-join``) at ``seed``."""
     be.STEP_S[0] = args.step_s
-    url = str(wd / f"{name}-s{seed}")
-    create_run(load_config("tiny", recipe(args, data_url, seed)), url)
-    logs = wd / f"{name}-s{seed}.log"
-    agg = be.Proc("aggregator", [be.sys.executable, "-m", "workers", "--run", url,
-                                 "--aggregate", "--log-level", "WARNING"], logs)
-    procs = [be.Proc(w, be._worker_cmd(url, w, wait_go=True), logs, wait_go=True)
-             for w in (*be.FAST, be.FAULTED)]
-    everyone = [agg, *procs]
-    events: list[dict[str, Any]] = []
-    steps = args.steps
-    try:
-        deadline = time.monotonic() + args.timeout
-        while not (all(p.ready.is_set() for p in procs)
-                   and Path(url, "members", "aggregator.json").exists()):
-            if time.monotonic() > deadline or any(p.proc.poll() is not None for p in everyone):
-                raise RuntimeError(f"C3 {name}: a party did not start; see {logs}")
-            time.sleep(0.1)
-        t0 = time.time()
-        for p in procs:
-            p.go()
-        joiner = None
-        if name == "drop-join":
-            joiner = be.Proc(be.JOINER, be._worker_cmd(url, be.JOINER, join=True, preload=True),
-                             logs, wait_go=True)
-            everyone.append(joiner)
-        dropped = joined = False
-        while any(p.proc.poll() is None for p in everyone):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"C3 {name}: not finished after {args.timeout:.0f} s")
-            lead = procs[0].step
-            if joiner is not None and not dropped and lead >= steps // 3:
-                procs[3].kill()
-                dropped = True
-                events.append({"event": "kill", "worker": be.FAULTED, "lead_step": lead})
-            if joiner is not None and not joined and lead >= steps // 2:
-                joiner.go()
-                procs.append(joiner)
-                joined = True
-                events.append({"event": "join", "worker": be.JOINER, "lead_step": lead})
-            be._check(everyone, f"C3 {name}", logs)
-            time.sleep(0.2)
-        be._check(everyone, f"C3 {name}", logs)
-    finally:
-        for p in everyone:
-            p.stop()
-    return be.measure(name, url, t0, procs, events)
+    return be.run_scenario(name, argparse.Namespace(**{**vars(args), "seed": seed}),
+                           data_url, wd)
 
 
 def pair(argv: list[str], data_url: str, wd: Path, seed: int) -> dict[str, Any]:

@@ -122,10 +122,20 @@ def test_every_claims_runs_are_valid_configs(profile):
     assert c1[0] in plan["C2"].specs and c1[1] in plan["C2"].specs
 
 
-def test_the_elastic_pair_runs_at_the_seed():
+def test_the_elastic_pair_runs_at_the_seed(monkeypatch):
+    """C3's runs are bench_elastic's scenarios at the claim's seed: the recipe they
+    create their run with says it, and bench_elastic's own runs stay at seed 0."""
+    from benchmarks import bench_elastic  # noqa: PLC0415
+
     args = claims_elastic.options(list(PROFILES["full"].elastic))
-    over = claims_elastic.recipe(args, "file:///tmp/data", 2)
-    assert "train.seed=2" in over and "train.seed=0" not in over
+    assert "train.seed=0" in bench_elastic.overrides(args, "file:///tmp/data")
+    seen = {}
+    monkeypatch.setattr(bench_elastic, "run_scenario", lambda name, a, data, wd: seen.update(
+        name=name, over=bench_elastic.overrides(a, data)))
+    claims_elastic.scenario("drop-join", args, "file:///tmp/data", None, 2)
+    assert seen["name"] == "drop-join"
+    assert "train.seed=2" in seen["over"] and "train.seed=0" not in seen["over"]
+    assert args.seed == 0  # the options it was given are not changed
 
 
 def fake_runner(spec, profile, seed, data, wd, mlflow):
