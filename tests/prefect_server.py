@@ -4,6 +4,8 @@
         env = server.env                              # PREFECT_API_URL etc. for subprocesses
         with server.worker("region-a"):               # prefect worker start --pool region-a
             ...
+        with server.api():                            # this process's client on it
+            deployed = server.deploy(cwd)             # `diloco deploy` in this process
 
 Every process is started with subprocess in its own session and stopped (SIGTERM,
 then SIGKILL) on exit, with everything it started.
@@ -138,6 +140,45 @@ class PrefectServer:
         finally:
             stop_process(proc)
             self.children.remove(proc)
+
+    @contextmanager
+    def api(self, **env: str):
+        """For as long as the block runs, this process talks to this server as a
+        subprocess given `env` would: Prefect's settings name its API, and the
+        environment (inherited by the processes started meanwhile) holds its PREFECT_
+        settings and ``env``, none of the caller's. Restored afterwards."""
+        from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: PLC0415
+
+        saved = dict(os.environ)
+        for key in [k for k in os.environ if k.startswith("PREFECT_")]:
+            del os.environ[key]
+        os.environ.update({k: v for k, v in self.env.items() if k.startswith("PREFECT_")})
+        os.environ.update(env)
+        try:
+            with temporary_settings({PREFECT_API_URL: self.url}):
+                yield self
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    def deploy(self, cwd: Path, *args: str, **env: str) -> str:
+        """``diloco deploy ARGS`` run from ``cwd`` on this server, in this process (the
+        command's code as its console script runs it, without the 2 s of imports of a
+        new process; the ``prefect deploy`` it runs is a process of its own): its
+        stdout; fails the test unless it exits 0."""
+        from typer.testing import CliRunner  # noqa: PLC0415
+
+        from cli.app import app  # noqa: PLC0415
+
+        before = Path.cwd()
+        os.chdir(cwd)
+        try:
+            with self.api(**env):
+                result = CliRunner().invoke(app, ["deploy", *args])
+        finally:
+            os.chdir(before)
+        assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
+        return result.stdout
 
     def logs(self, name: str) -> str:
         path = self.home / name

@@ -3,21 +3,29 @@
 pools, region-a and region-b), a `prefect worker` per pool, each in a working
 directory of its own, and a run of the `train` deployment that launches its workers
 and aggregator through `run_deployment` into those pools. The deployments carry no
-path of the deploying machine: the workers import the flows as modules."""
+path of the deploying machine: the workers import the flows as modules.
+
+The test process itself plays the user's laptop (`diloco deploy`, `run_deployment`
+and the reads of the API in this process, on the server's API): the processes that
+matter are the server, the workers and the flow runs they start."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from prefect import get_client
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+from prefect.deployments import run_deployment
+from prefect.states import Cancelling
 
+from flows.control import read_launcher
 from flows.deploy import read_deployments, work_pools
 from infra.deployments import PREFECT_FILE
+from storage.objectstore import ObjectStore
 
 try:
     from prefect_server import PrefectServer
@@ -25,13 +33,11 @@ except ImportError:  # tests imported as a package
     from tests.prefect_server import PrefectServer
 
 ROOT = Path(__file__).resolve().parent.parent
-DILOCO = str(Path(sys.executable).parent / "diloco")
-PREFECT = str(Path(sys.executable).parent / "prefect")
 
 MICRO = [
     "model.overrides={d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 64}",
     "data.seq_len=32", "data.batch_size=8", "optim.warmup_steps=2", "train.steps=16",
-    "train.eval_every=0", "train.eval_batches=2", "train.log_every=4", "train.threads=1",
+    "train.eval_every=8", "train.eval_batches=2", "train.log_every=4", "train.threads=1",
     "train.checkpoint_every=8", "sync.schedule.sync_every=8", "sync.schedule.fragments=2", "sync.schedule.overlap=1",
 ]
 
@@ -68,50 +74,89 @@ def deployed(tmp_path_factory):
     that is not the checkout, and a worker per pool, each in its own directory."""
     tmp = tmp_path_factory.mktemp("deployments")
     with PrefectServer(tmp / "prefect") as server:
-        env = {**server.env, "DILOCO_TRACKING": "off"}  # MLflow has its own tests
         deployer = tmp / "laptop"
         deployer.mkdir()
-        out = subprocess.run([DILOCO, "deploy"], cwd=deployer, env=env, text=True,
-                             capture_output=True, timeout=180)
-        assert out.returncode == 0, out.stdout + out.stderr
+        # MLflow has its own tests
+        output = server.deploy(deployer, DILOCO_TRACKING="off")
         extra = {"DILOCO_TRACKING": "off"}
         for region in ("region-a", "region-b"):
             (tmp / region).mkdir()
         with server.worker("region-a", cwd=tmp / "region-a", env=extra), \
                 server.worker("region-b", cwd=tmp / "region-b", env=extra):
-            yield server, env, tmp, out.stdout
+            yield server, tmp, output
 
 
-def train_params(store: Path, run_url: str, *extra: str) -> dict:
-    return {"config": "tiny", "backend": "deployments", "run_url": run_url,
-            "overrides": [*MICRO, f"store={store}",
-                          'data.sources=["builtin:shakespeare/tragedies/*"]', *extra]}
+def train_params(store: Path, run_url: str | None, *extra: str) -> dict:
+    params = {"config": "tiny", "backend": "deployments",
+              "overrides": [*MICRO, f"store={store}",
+                            'data.sources=["builtin:shakespeare/tragedies/*"]', *extra]}
+    if run_url is not None:
+        params["run_url"] = run_url
+    return params
 
 
 def worker_logs(server) -> str:
     return "\n".join(server.logs(f"worker-{p}.log")[-3000:] for p in ("region-a", "region-b"))
 
 
+@pytest.fixture(scope="module")
+def trained(deployed):
+    """One run of the train deployment as its schedule starts one (no run_url: the
+    run chooses its id), to its end, and what Prefect and the store say of it: where
+    each job ran, the flow runs' names and logs, a second launch with the same key."""
+    server, tmp, _ = deployed
+    store = tmp / "runs"
+    with server.api():
+        train = run_deployment("train/train", parameters=train_params(store, None),
+                               timeout=400, poll_interval=2)
+        (run_dir,) = store.iterdir() if store.exists() else [None]
+        assert run_dir is not None, f"no run under {store}: {train.state}" + worker_logs(server)
+        seen = _inspect(run_dir.as_uri(), train)
+    return train, run_dir, seen
+
+
+def _inspect(run_url: str, train) -> dict:
+    record = read_launcher(ObjectStore(run_url))
+    assert record["backend"] == "deployments", record
+    out = {"pools": {}, "queues": {}, "states": {}, "logs": {}}
+    with get_client(sync_client=True) as client:
+        for name, job in record["jobs"].items():
+            run = client.read_flow_run(job["flow_run"])
+            out["pools"][name] = run.work_pool_name
+            out["queues"][name] = run.work_queue_name
+            out["states"][name] = run.state.type.value
+            parent = client.read_task_run(run.parent_task_run_id) if run.parent_task_run_id else None
+            if parent is not None:
+                parent_run = client.read_flow_run(parent.flow_run_id)
+                out["parent"] = client.read_flow(parent_run.flow_id).name
+                out["queues"]["train"] = parent_run.work_queue_name
+        for run in client.read_flow_runs():  # the train run's children, by name
+            if run.id == train.id or not run.name.startswith(train.name + "/"):
+                continue
+            if run.state.type.value == "COMPLETED":  # not a crashed first attempt, relaunched
+                logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
+                    any_=[run.id])))
+                out["logs"][run.name] = [entry.message for entry in logs]
+        out["deployments"] = {
+            d.name: {"entrypoint": d.entrypoint, "path": d.path, "pull_steps": d.pull_steps,
+                     "stored": d.model_dump_json()}
+            for d in client.read_deployments()}
+    name, job = next(iter(record["jobs"].items()))
+    again = run_deployment(job["deployment"], parameters={"run_url": run_url}, timeout=0,
+                           idempotency_key=f"{record['key']}:{name}", as_subflow=False)
+    out["relaunched_same_key"] = str(again.id) == job["flow_run"]
+    return out
+
+
 @pytest.mark.slow
-def test_a_run_through_two_work_pools(deployed):
-    server, env, tmp, deploy_output = deployed
+def test_a_run_through_two_work_pools(deployed, trained):
+    server, tmp, deploy_output = deployed
     assert "created process work pools: region-a, region-b" in deploy_output
     assert "train/train" in deploy_output and "worker/region-b" in deploy_output
-    store = tmp / "runs"
-    run_url = (store / "d1").as_uri()
-    out = subprocess.run(
-        [PREFECT, "deployment", "run", "train/train",
-         "--params", json.dumps(train_params(store, run_url)),
-         "--watch", "--watch-timeout", "400"],
-        cwd=tmp, env=env, text=True, capture_output=True, timeout=450)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + worker_logs(server)
-    assert "Completed" in out.stdout, out.stdout[-3000:] + worker_logs(server)
+    train, run_dir, seen = trained
+    assert train.state.type.value == "COMPLETED", f"{train.state}\n" + worker_logs(server)
 
     # Where each job ran, and a second launch with the same key: no new flow run.
-    check = subprocess.run([sys.executable, "-c", _INSPECT, run_url], env=env, text=True,
-                           capture_output=True, timeout=120, cwd=ROOT)
-    assert check.returncode == 0, check.stderr[-3000:]
-    seen = json.loads(check.stdout.strip().splitlines()[-1])
     assert seen["pools"] == {"region-a": "region-a", "region-b": "region-b",
                              "aggregator": "region-a"}
     # a queue per role in region A's pool, which its one worker serves whole
@@ -128,11 +173,27 @@ def test_a_run_through_two_work_pools(deployed):
     for d in stored.values():
         assert d["path"] is None and not d["pull_steps"], d
         assert str(ROOT) not in d["stored"] and str(tmp) not in d["stored"]
-    status = {n: json.loads((store / "d1" / "members" / n / "status.json").read_text())
+    status = {n: json.loads((run_dir / "members" / n / "status.json").read_text())
               for n in ("region-a", "region-b", "aggregator")}
     assert all(s["state"] == "finished" for s in status.values()), status
     assert status["region-a"]["step"] == 16
     assert status["aggregator"]["rounds"] == status["aggregator"]["total_rounds"]
+
+
+@pytest.mark.slow
+def test_deployment_runs_are_named_and_log_their_rounds(trained):
+    """A scheduled run's train flow run (no run_url) takes the run's id as its name
+    once it has chosen it; its children, in the work pools, are <run id>/<job>."""
+    train, run_dir, seen = trained
+    assert train.state.type.value == "COMPLETED", train.state
+    assert train.name == run_dir.name and run_dir.name.startswith("tiny-"), train.name
+    logs = seen["logs"]
+    assert set(logs) == {f"{run_dir.name}/{n}" for n in ("region-a", "region-b",
+                                                        "aggregator")}, logs
+    worker = logs[f"{run_dir.name}/region-b"]
+    assert any("sent" in m and "loss" in m for m in worker), worker
+    assert any("eval loss" in m for m in worker), worker
+    assert any("applied" in m for m in logs[f"{run_dir.name}/aggregator"])
 
 
 def _job_processes(flow_run_ids: list[str]) -> list[int]:
@@ -153,26 +214,45 @@ def _job_processes(flow_run_ids: list[str]) -> list[int]:
     return found
 
 
+FINAL = {"CANCELLED", "COMPLETED", "FAILED", "CRASHED"}
+
+
 @pytest.mark.slow
 def test_cancelling_train_cancels_its_jobs(deployed):
     """Prefect does not cancel run_deployment children of a cancelled flow run: the
     train flow's on_cancellation hook does, and the jobs checkpoint and stop."""
-    server, env, tmp, _ = deployed
-    store = tmp / "runs"
+    server, tmp, _ = deployed
+    store = tmp / "cancelled"
     run_url = (store / "d2").as_uri()
     status = store / "d2" / "members" / "region-b" / "status.json"
+    params = train_params(store, run_url, "train.eval_every=0", "train.steps=2000",
+                          "train.checkpoint_every=10")
     # start train, wait for the workers, cancel train as `prefect flow-run cancel`
-    # does (Cancelling), wait until everything has ended: one helper process
-    check = subprocess.run([sys.executable, "-c", _CANCEL_TRAIN, json.dumps(
-        train_params(store, run_url, "train.steps=2000", "train.checkpoint_every=10")),
-        str(status)], env=env, text=True, capture_output=True, timeout=400, cwd=ROOT)
-    assert check.returncode == 0, check.stderr[-3000:] + worker_logs(server)
-    states = json.loads(check.stdout.strip().splitlines()[-1])
-    assert states["train"] == "CANCELLED"
-    assert set(states["jobs"].values()) <= {"CANCELLED", "COMPLETED"}, states
-    assert "CANCELLED" in states["jobs"].values()
+    # does (Cancelling), wait until everything has ended
+    with server.api(), get_client(sync_client=True) as client:
+        train_id = run_deployment("train/train", parameters=params, timeout=0).id
+        deadline = time.monotonic() + 240
+        while not (status.exists() and json.loads(status.read_text()).get("step", 0) >= 10):
+            assert time.monotonic() < deadline, "the workers never got going\n" + \
+                worker_logs(server)
+            time.sleep(0.5)
+        client.set_flow_run_state(train_id, Cancelling(message="test"))
+        deadline = time.monotonic() + 200
+        while True:
+            record = read_launcher(ObjectStore(run_url)) or {"jobs": {}}
+            jobs = {n: client.read_flow_run(j["flow_run"]).state.type.value
+                    for n, j in record["jobs"].items()}
+            train = client.read_flow_run(train_id).state.type.value
+            if train in FINAL and jobs and set(jobs.values()) <= FINAL:
+                break
+            assert time.monotonic() < deadline, \
+                f"not cancelled: train {train}, jobs {jobs}\n" + worker_logs(server)
+            time.sleep(1)
+    assert train == "CANCELLED"
+    assert set(jobs.values()) <= {"CANCELLED", "COMPLETED"}, jobs
+    assert "CANCELLED" in jobs.values()
     assert (store / "d2" / "control" / "cancel.json").exists()  # the hook's request
-    ids = list(states["ids"].values())
+    ids = [j["flow_run"] for j in record["jobs"].values()]
     assert len(ids) == 3
     deadline = time.monotonic() + 60
     while _job_processes(ids) and time.monotonic() < deadline:
@@ -181,70 +261,3 @@ def test_cancelling_train_cancels_its_jobs(deployed):
     step = json.loads(status.read_text())["step"]
     assert 10 <= step < 2000
     assert json.loads(status.read_text())["state"] in ("cancelled", "interrupted")
-
-
-_CANCEL_TRAIN = r"""
-import json, sys, time
-from pathlib import Path
-from prefect import get_client
-from prefect.deployments import run_deployment
-from prefect.states import Cancelling
-from flows.control import read_launcher
-from storage.objectstore import ObjectStore
-
-params, status = json.loads(sys.argv[1]), Path(sys.argv[2])
-train_id = run_deployment("train/train", parameters=params, timeout=0).id
-deadline = time.monotonic() + 240
-while not (status.exists() and json.loads(status.read_text()).get("step", 0) >= 10):
-    if time.monotonic() > deadline:
-        raise SystemExit("the workers never got going")
-    time.sleep(0.5)
-final = {"CANCELLED", "COMPLETED", "FAILED", "CRASHED"}
-with get_client(sync_client=True) as client:
-    client.set_flow_run_state(train_id, Cancelling(message="test"))
-    deadline = time.monotonic() + 200
-    while True:
-        record = read_launcher(ObjectStore(params["run_url"])) or {"jobs": {}}
-        states = {n: client.read_flow_run(j["flow_run"]).state.type.value
-                  for n, j in record["jobs"].items()}
-        train = client.read_flow_run(train_id).state.type.value
-        if train in final and states and set(states.values()) <= final:
-            break
-        if time.monotonic() > deadline:
-            raise SystemExit(f"not cancelled: train {train}, jobs {states}")
-        time.sleep(1)
-ids = {n: j["flow_run"] for n, j in record["jobs"].items()}
-print(json.dumps({"train": train, "jobs": states, "ids": ids}))
-"""
-
-_INSPECT = r"""
-import json, sys
-from prefect import get_client
-from prefect.deployments import run_deployment
-from flows.control import read_launcher
-from storage.objectstore import ObjectStore
-
-record = read_launcher(ObjectStore(sys.argv[1]))
-assert record["backend"] == "deployments", record
-out = {"pools": {}, "queues": {}, "states": {}}
-with get_client(sync_client=True) as client:
-    for name, job in record["jobs"].items():
-        run = client.read_flow_run(job["flow_run"])
-        out["pools"][name] = run.work_pool_name
-        out["queues"][name] = run.work_queue_name
-        out["states"][name] = run.state.type.value
-        parent = client.read_task_run(run.parent_task_run_id) if run.parent_task_run_id else None
-        if parent is not None:
-            train = client.read_flow_run(parent.flow_run_id)
-            out["parent"] = client.read_flow(train.flow_id).name
-            out["queues"]["train"] = train.work_queue_name
-    out["deployments"] = {
-        d.name: {"entrypoint": d.entrypoint, "path": d.path, "pull_steps": d.pull_steps,
-                 "stored": d.model_dump_json()}
-        for d in client.read_deployments()}
-    name, job = next(iter(record["jobs"].items()))
-    again = run_deployment(job["deployment"], parameters={"run_url": sys.argv[1]}, timeout=0,
-                           idempotency_key=f"{record['key']}:{name}", as_subflow=False)
-    out["relaunched_same_key"] = str(again.id) == job["flow_run"]
-print(json.dumps(out))
-"""

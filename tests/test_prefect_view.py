@@ -2,7 +2,9 @@
 loopback, the train flow launching its worker and aggregator jobs as flow runs of
 their own (the `worker` and `aggregator` flows in child processes, as a work pool
 would run them), read back through the Prefect client: the flow runs' names, the
-train flow's tasks, the training progress in the logs, the progress artifact."""
+train flow's tasks, the training progress in the logs, the progress artifact (read
+in this process). What a run of the deployments shows (its flow runs named after the
+run it chose) is checked on the run of tests/test_deployments.py."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
 try:
     from prefect_server import PrefectServer
@@ -53,25 +57,21 @@ state = t.train(config="tiny", overrides=[*overrides, f"store={store}"],
 print(json.dumps({"state": state.type.value}))
 """
 
-_READ = r"""
-import json, sys
-from prefect import get_client
-from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-out = {}
-with get_client(sync_client=True) as client:
-    for run in client.read_flow_runs():
-        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
-            any_=[run.id])))
-        tasks = [t.name for t in client.read_task_runs()
-                 if t.flow_run_id == run.id]
-        out[run.name] = {"state": run.state.type.value, "logs": [l.message for l in logs],
-                         "tasks": tasks}
-    artifacts = client.read_artifacts()
-    out["artifacts"] = [{"key": a.key, "type": a.type, "data": a.data,
-                         "description": a.description} for a in artifacts]
-print(json.dumps(out, default=str))
-"""
+def read_back() -> dict:
+    """Every flow run of the server: its state, logs and tasks; and the artifacts."""
+    out = {}
+    with get_client(sync_client=True) as client:
+        for run in client.read_flow_runs():
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
+                any_=[run.id])))
+            tasks = [t.name for t in client.read_task_runs()
+                     if t.flow_run_id == run.id]
+            out[run.name] = {"state": run.state.type.value,
+                             "logs": [entry.message for entry in logs], "tasks": tasks}
+        artifacts = client.read_artifacts()
+        out["artifacts"] = [{"key": a.key, "type": a.type, "data": a.data,
+                             "description": a.description} for a in artifacts]
+    return out
 
 
 @pytest.mark.slow
@@ -85,10 +85,8 @@ def test_flow_runs_show_the_training(tmp_path):
         assert json.loads(run.stdout.strip().splitlines()[-1]) == {"state": "COMPLETED"}
         # the terminal stays quiet: the progress lines went to the API only
         assert "round" not in run.stderr, run.stderr[-3000:]
-        read = subprocess.run([sys.executable, "-c", _READ], env=env, text=True,
-                              capture_output=True, timeout=120, cwd=ROOT)
-        assert read.returncode == 0, read.stderr[-3000:]
-    seen = json.loads(read.stdout.strip().splitlines()[-1])
+        with server.api():
+            seen = json.loads(json.dumps(read_back(), default=str))
     artifacts = seen.pop("artifacts")
     names = set(seen)
     assert names == {"view-run", "view-run/region-a", "view-run/region-b",
@@ -115,58 +113,3 @@ def test_flow_runs_show_the_training(tmp_path):
     progress = [a for a in artifacts if a["type"] == "progress"]
     assert len(progress) == 1 and progress[0]["data"] == 100.0, artifacts
     assert progress[0]["description"] == "rounds applied by the aggregator: 6/6 (finished)"
-
-
-@pytest.fixture(scope="module")
-def deployed(tmp_path_factory):
-    """infra/prefect.yaml deployed to a server on loopback, a worker per pool."""
-    try:
-        from test_deployments import deployed as fixture
-    except ImportError:  # tests imported as a package
-        from tests.test_deployments import deployed as fixture
-    yield from fixture.__wrapped__(tmp_path_factory)
-
-
-_READ_RUN = r"""
-import json, sys
-from prefect import get_client
-from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-from prefect.deployments import run_deployment
-
-params = json.loads(sys.argv[1])
-train = run_deployment("train/train", parameters=params, timeout=400)
-out = {"train": {"name": train.name, "state": train.state.type.value}}
-with get_client(sync_client=True) as client:
-    for run in client.read_flow_runs():
-        if run.id == train.id or not run.name.startswith(train.name + "/"):
-            continue
-        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
-            any_=[run.id])))
-        if run.state.type.value == "COMPLETED":  # not a crashed first attempt, relaunched
-            out[run.name] = {"logs": [l.message for l in logs]}
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.slow
-def test_deployment_runs_are_named_and_log_their_rounds(deployed):
-    """A scheduled run's train flow run (no run_url) takes the run's id as its name
-    once it has chosen it; its children, in the work pools, are <run id>/<job>."""
-    server, env, tmp, _ = deployed
-    store = tmp / "named"
-    params = {"config": "tiny", "backend": "deployments",
-              "overrides": [*MICRO, f"store={store}"]}
-    out = subprocess.run([sys.executable, "-c", _READ_RUN, json.dumps(params)], env=env,
-                         text=True, capture_output=True, timeout=450, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
-    train = seen.pop("train")
-    assert train["state"] == "COMPLETED", train
-    (run_dir,) = store.iterdir()
-    assert train["name"] == run_dir.name and run_dir.name.startswith("tiny-"), train
-    assert set(seen) == {f"{run_dir.name}/{n}" for n in ("region-a", "region-b",
-                                                        "aggregator")}, seen
-    worker = seen[f"{run_dir.name}/region-b"]["logs"]
-    assert any("sent" in m and "loss" in m for m in worker), worker
-    assert any("eval loss" in m for m in worker), worker
-    assert any("applied" in m for m in seen[f"{run_dir.name}/aggregator"]["logs"])
