@@ -21,11 +21,6 @@ def env(cwd: Path) -> dict[str, str]:
     return clean_env(cwd, shared_prefect=True, MLFLOW_TRACKING="0", DILOCO_TRACKING="off")
 
 
-def diloco(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([DILOCO, *args], cwd=cwd, env=env(cwd), text=True,
-                          capture_output=True, timeout=timeout)
-
-
 def listing(run: Path) -> dict[str, int]:
     return {str(p.relative_to(run)): p.stat().st_size for p in run.rglob("*") if p.is_file()}
 
@@ -57,14 +52,6 @@ def idle(tmp_path_factory) -> Path:
     create(cwd, "full", "data.slots=2")
     create(cwd, "dp", "train.strategy=data_parallel")
     return cwd / "runs"
-
-
-def one_line_error(out: subprocess.CompletedProcess, *words: str) -> None:
-    assert out.returncode == 2, out.stdout + out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
-    for word in words:
-        assert word in lines[0], lines[0]
 
 
 def refused(result, *words: str) -> None:
@@ -128,10 +115,21 @@ def rounds_applied(run: Path) -> int:
     return int(status.get("rounds") or 0)
 
 
-def test_join_and_leave_a_running_run(tmp_path):
+def test_join_and_leave_a_running_run(tmp_path, in_process, monkeypatch):
     """A run of two workers: region-c joins, its contributions are in the means;
     region-b leaves, the others stop waiting for it; the run finishes; status shows
-    the members; a finished run refuses joins and leaves with one line."""
+    the members; a finished run refuses joins and leaves with one line.
+
+    `diloco run` is the installed command; join, leave and status run in this process
+    (cwd and environment the run's: the joiner's job inherits them)."""
+    from cli.app import app
+
+    for key, value in env(tmp_path).items():
+        monkeypatch.setenv(key, value)
+
+    def diloco(*args: str):
+        return in_process.invoke(app, list(args))
+
     # 480 steps: the joiner's start and admission, then region-b's leave, all before
     # the end (at 240 a loaded full suite once saw the run finish before the leave)
     run_cmd = [DILOCO, "run", *settings("train.steps=480", "train.checkpoint_every=80")]
@@ -143,8 +141,8 @@ def test_join_and_leave_a_running_run(tmp_path):
         (run,) = (tmp_path / "runs").iterdir()
         wait_for(lambda: rounds_applied(run) >= 2, 180, "two rounds applied")
 
-        joined = diloco(["join", run.name, "--worker", "region-c", "--wait"], tmp_path)
-        assert joined.returncode == 0, joined.stdout + joined.stderr
+        joined = diloco("join", run.name, "--worker", "region-c", "--wait", "--timeout", "240")
+        assert joined.exit_code == 0, joined.stdout + joined.stderr
         assert "region-c is joining" in joined.stdout
         assert f"diloco status {run.name}" in joined.stdout
         assert "region-c admitted: data slot 2" in joined.stdout
@@ -152,19 +150,18 @@ def test_join_and_leave_a_running_run(tmp_path):
         assert "--join" in launched["jobs"]["region-c"]["command"]
         assert {"aggregator", "region-a", "region-b"} <= set(launched["jobs"])
 
-        left = diloco(["leave", run.name, "--worker", "region-b", "--wait"], tmp_path)
-        assert left.returncode == 0, left.stdout + left.stderr
+        left = diloco("leave", run.name, "--worker", "region-b", "--wait", "--timeout", "240")
+        assert left.exit_code == 0, left.stdout + left.stderr
         assert "region-b left after step" in left.stdout
-        one_line_error(diloco(["leave", run.name, "--worker", "region-b"], tmp_path),
-                       "already left")
+        refused(diloco("leave", run.name, "--worker", "region-b"), "already left")
 
-        status = diloco(["status", run.name], tmp_path)
-        assert status.returncode == 0, status.stderr
+        status = diloco("status", run.name)
+        assert status.exit_code == 0, status.stderr
         table = status.stdout[status.stdout.index("members"):]
         assert "region-c" in table and "region-b" in table
         assert "region-c joined" in table and "region-b left after rounds" in table
         members = {m["worker"]: m for m in json.loads(
-            diloco(["status", run.name, "--json"], tmp_path).stdout)["members"]}
+            diloco("status", run.name, "--json").stdout)["members"]}
         assert members["region-c"]["joined"] and members["region-c"]["slot"] == 2
         assert members["region-b"]["left"] and not members["region-a"]["left"]
 
@@ -186,10 +183,8 @@ def test_join_and_leave_a_running_run(tmp_path):
         assert all("region-b" not in m["expected"] for m in later if m["round"] > last + 1)
     # a finished run: nothing to join or leave, nothing written
     before = listing(run)
-    one_line_error(diloco(["join", run.name, "--worker", "region-d"], tmp_path),
-                   "has finished")
-    one_line_error(diloco(["leave", run.name, "--worker", "region-a"], tmp_path),
-                   "has finished")
+    refused(diloco("join", run.name, "--worker", "region-d"), "has finished")
+    refused(diloco("leave", run.name, "--worker", "region-a"), "has finished")
     assert listing(run) == before
 
 
