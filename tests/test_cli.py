@@ -55,7 +55,8 @@ def test_main_command(main_run):
     # the status hint runs as printed, in a shell that never activated the virtualenv
     hint = next(line.split(None, 1)[1] for line in text.splitlines()
                 if line.strip().startswith("status "))
-    env = clean_env(cwd)
+    # (status starts no Prefect: the first run's home as it left it, nothing prepared)
+    env = clean_env(cwd, fresh_prefect=True)
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
                                   if Path(p).resolve() != Path(sys.executable).parent.resolve())
     ran = subprocess.run(["bash", "-c", hint], cwd=cwd, env=env, text=True,
@@ -84,24 +85,27 @@ def test_main_command(main_run):
 
 
 @pytest.mark.slow
-def test_status_and_cancel_of_a_finished_run(main_run):
+def test_status_and_cancel_of_a_finished_run(main_run, in_process, monkeypatch):
+    """The commands in this process (what they print is the subject; the status hint
+    of test_main_command runs the installed command in a shell)."""
     cwd, out = main_run
     assert out.returncode == 0
     name = next((cwd / "runs").iterdir()).name
-    env = clean_env(cwd)
-    status = diloco(["status", name], cwd, env, timeout=60)
-    assert status.returncode == 0, status.stderr
+    monkeypatch.chdir(cwd)
+    status = in_process.invoke(app, ["status", name])
+    assert status.exit_code == 0, status.stderr
     assert "region-b" in status.stdout and "finished" in status.stdout
     assert "24/24" in status.stdout and "rounds" in status.stdout
-    as_json = json.loads(diloco(["status", name, "--json"], cwd, env, timeout=60).stdout)
-    assert as_json["aggregator"]["state"] == "finished"
+    as_json = in_process.invoke(app, ["status", name, "--json"])
+    assert as_json.exit_code == 0, as_json.stderr
+    assert json.loads(as_json.stdout)["aggregator"]["state"] == "finished"
     # a finished run: nothing to cancel or resume, one line each, nothing written
-    cancel = diloco(["cancel", name, "--timeout", "10"], cwd, env, timeout=60)
-    assert cancel.returncode == 2, cancel.stdout + cancel.stderr
+    cancel = in_process.invoke(app, ["cancel", name, "--timeout", "10"])
+    assert cancel.exit_code == 2, cancel.stdout + cancel.stderr
     assert "has finished; there is nothing to cancel" in cancel.stderr
     assert not (cwd / "runs" / name / "control" / "cancel.json").exists()
-    resumed = diloco(["resume", name], cwd, env, timeout=120)
-    assert resumed.returncode == 2, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    resumed = in_process.invoke(app, ["resume", name])
+    assert resumed.exit_code == 2, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "has finished; there is nothing to resume" in resumed.stderr
 
 
@@ -134,7 +138,9 @@ def test_config_errors_launch_nothing(in_process, tmp_path, monkeypatch, args, e
 
 
 def test_the_console_script_exits_2_without_a_traceback(tmp_path):
-    out = diloco(["run", "--set", "train.stepz=5"], tmp_path, clean_env(tmp_path), timeout=60)
+    # refused before Prefect starts: no Prefect home prepared for it
+    out = diloco(["run", "--set", "train.stepz=5"], tmp_path,
+                 clean_env(tmp_path, fresh_prefect=True), timeout=60)
     assert out.returncode == 2
     assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr
     assert not (tmp_path / "runs").exists()
