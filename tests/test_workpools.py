@@ -13,9 +13,11 @@ Kubernetes read them. A template Prefect refuses is refused by `diloco deploy`.
 
 from __future__ import annotations
 
+import asyncio
 import json
-import subprocess
+import os
 import sys
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -27,11 +29,12 @@ from flows.deploy import DeployError, ensure_pools
 from infra.deployments import POOLS, PREFECT_FILE, credentials_secret, pool_template
 
 try:
+    from cli_runs import shared_server
     from prefect_server import PrefectServer
 except ImportError:  # tests imported as a package
+    from tests.cli_runs import shared_server
     from tests.prefect_server import PrefectServer
 
-DILOCO = str(Path(sys.executable).parent / "diloco")
 CREDENTIALS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
                "AWS_ENDPOINT_URL_S3", "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME",
                "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"}
@@ -132,25 +135,28 @@ def test_an_unknown_pool_type_or_deployment_is_refused(monkeypatch):
 # -- the templates, validated and rendered by Prefect -------------------------------------
 
 
-#: Renders a flow run of a worker deployment as the pool's worker would, in a
-#: process of its own (the worker's environment: a marker key pair, and no
-#: AWS_SESSION_TOKEN), and tries job variables the pool's schema forbids.
-_RENDER = r"""
-import asyncio, json, sys
-from prefect import get_client
-kind, deployment_name, pool_name = sys.argv[1:4]
-if kind == "docker":
-    from prefect_docker.worker import DockerWorkerJobConfiguration as Config
-else:
-    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration as Config
+MARKER = {"AWS_ACCESS_KEY_ID": "AKIAWORKERMARKER", "AWS_SECRET_ACCESS_KEY": "worker-secret-marker"}
 
-async def main():
+
+async def _render(kind: str, deployment_name: str, pool_name: str) -> dict:
+    """A flow run of a worker deployment rendered as the pool's worker renders it
+    (with the environment of the calling process: the worker's), and job variables
+    the pool's schema forbids, tried."""
+    from prefect import get_client  # noqa: PLC0415
+
+    if kind == "docker":
+        from prefect_docker.worker import DockerWorkerJobConfiguration as Config  # noqa: PLC0415
+    else:
+        from prefect_kubernetes.worker import (  # noqa: PLC0415
+            KubernetesWorkerJobConfiguration as Config,
+        )
     async with get_client() as client:
         deployment = await client.read_deployment_by_name(deployment_name)
         pool = await client.read_work_pool(pool_name)
         params = {"run_url": "s3://diloco/runs/r1", "worker": "region-b"}
         run = await client.create_flow_run_from_deployment(
-            deployment.id, parameters=params, job_variables={"gpu_count": 2} if kind == "kubernetes" else {})
+            deployment.id, parameters=params,
+            job_variables={"gpu_count": 2} if kind == "kubernetes" else {})
         config = await Config.resolve_for_flow_run(run, client=client, work_pool=pool,
                                                    worker_name="test-worker")
         out = {"type": pool.type, "stored": pool.base_job_template,
@@ -165,40 +171,54 @@ async def main():
         try:
             await client.create_flow_run_from_deployment(deployment.id, parameters=params,
                                                          job_variables=bad)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - what the server said is checked
             refused["flow_run"] = str(getattr(exc, "response", None) and exc.response.text)
         out["refused"] = refused
-        print(json.dumps(out))
-
-asyncio.run(main())
-"""
-
-MARKER = {"AWS_ACCESS_KEY_ID": "AKIAWORKERMARKER", "AWS_SECRET_ACCESS_KEY": "worker-secret-marker"}
+    return json.loads(json.dumps(out))
 
 
-def _deploy_and_render(kind: str, tmp: Path):
-    """`diloco deploy --pool-type KIND` from an unrelated directory, and a rendered
-    flow run of worker/region-b."""
-    with PrefectServer(tmp / "prefect") as server:
-        deployed = subprocess.run([DILOCO, "deploy", "--pool-type", kind], cwd=tmp,
-                                  env=server.env, text=True, capture_output=True, timeout=180)
-        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-        env = {k: v for k, v in server.env.items() if not k.startswith("AWS_")}
-        rendered = subprocess.run(
-            [sys.executable, "-c", _RENDER, kind, "worker/region-b", "region-b"],
-            cwd=tmp, env={**env, **MARKER}, text=True, capture_output=True, timeout=120)
-        assert rendered.returncode == 0, rendered.stderr[-3000:]
-        yield kind, server, deployed.stdout, json.loads(rendered.stdout.strip().splitlines()[-1])
+def _delete_pools(server: PrefectServer, pools: list[str]) -> None:
+    """Delete these work pools where they exist."""
+    from prefect import get_client  # noqa: PLC0415
+    from prefect.exceptions import ObjectNotFound  # noqa: PLC0415
+
+    with server.api(), get_client(sync_client=True) as client:
+        for pool in pools:
+            with suppress(ObjectNotFound):
+                client.delete_work_pool(pool)
 
 
 @pytest.fixture(scope="module")
-def kubernetes_pools(tmp_path_factory):
-    yield from _deploy_and_render("kubernetes", tmp_path_factory.mktemp("kubernetes"))
+def server():
+    """The Prefect server this test process keeps (tests/cli_runs.py): the pools and
+    deployments these tests make are all a server holds for them, and the commands
+    that other tests run on it use no work pool."""
+    return shared_server()
+
+
+def _deploy_and_render(kind: str, server: PrefectServer, tmp: Path):
+    """`diloco deploy --pool-type KIND` from an unrelated directory, and a flow run
+    of worker/region-b rendered as a worker of the pool with a marker key pair, and
+    no AWS_SESSION_TOKEN, in its environment would render it. The pools of another
+    kind deployed to this server before are deleted first (their names are the
+    same)."""
+    _delete_pools(server, ["region-a", "region-b"])
+    output = server.deploy(tmp, "--pool-type", kind)
+    with server.api(**MARKER):  # the worker's environment: no other AWS_ variable
+        for key in [k for k in os.environ if k.startswith("AWS_") and k not in MARKER]:
+            del os.environ[key]
+        seen = asyncio.run(_render(kind, "worker/region-b", "region-b"))
+    return kind, server, output, seen
 
 
 @pytest.fixture(scope="module")
-def docker_pools(tmp_path_factory):
-    yield from _deploy_and_render("docker", tmp_path_factory.mktemp("docker"))
+def kubernetes_pools(server, tmp_path_factory):
+    return _deploy_and_render("kubernetes", server, tmp_path_factory.mktemp("kubernetes"))
+
+
+@pytest.fixture(scope="module")
+def docker_pools(server, tmp_path_factory):
+    return _deploy_and_render("docker", server, tmp_path_factory.mktemp("docker"))
 
 
 @pytest.fixture(params=["kubernetes", "docker"])
