@@ -233,9 +233,12 @@ def test_piped_width_is_wide_enough(monkeypatch):
 def test_piped_run_prints_rounds_as_it_goes(tmp_path):
     """`diloco run` into a pipe: a plain line per round while it trains (read as it
     comes, before the figures at the end), not only the figures at the end."""
-    # the lines are the subject, not Prefect: the test process's server (tests/cli_runs.py)
-    env = clean_env(tmp_path, shared_prefect=True)
-    proc = subprocess.Popen([DILOCO, "run", *SHORT], cwd=tmp_path, env=env,
+    # the lines are the subject, not Prefect: the test process's server (tests/cli_runs.py);
+    # nor MLflow: tracking off; nor the number of workers: one (a job process less; the
+    # lines of two workers' figures are test_plain_lines_once_per_change's)
+    env = clean_env(tmp_path, shared_prefect=True, DILOCO_TRACKING="off")
+    proc = subprocess.Popen([DILOCO, "run", *SHORT, "--set", "workers=[region-a]"],
+                            cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: list[tuple[float, str]] = []
     try:
