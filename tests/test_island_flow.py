@@ -11,21 +11,22 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
+from cli_runs import shared_server
 from prefect_server import PrefectServer
 from test_distributed import ROOT
 from test_island_stop import data_url, running_run
+from typer.testing import CliRunner
 
+from cli.app import app
 from storage.objectstore import ObjectStore
 from workers import checkpoint
 from workers.status import read_status
 
 pytestmark = pytest.mark.slow
 
-DILOCO = str(Path(sys.executable).parent / "diloco")
 __all__ = ["data_url"]  # the module's fixture, shared
 
 # the worker flow of an island, as a work pool runs it; its final state on stdout
@@ -40,14 +41,14 @@ print("FLOW " + json.dumps({"state": state.type.value, "message": state.message,
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with PrefectServer(tmp_path_factory.mktemp("prefect")) as s:
-        yield s
+def server():
+    """The Prefect server this test process keeps (the flow runs only need an API)."""
+    return shared_server()
 
 
 def start_flow(server: PrefectServer, url: str, name: str) -> subprocess.Popen:
-    return server.spawn([sys.executable, "-c", _FLOW, url], f"{name}.log", cwd=ROOT,
-                        env={"DILOCO_TRACKING": "off", "OMP_NUM_THREADS": "1"})
+    return server.spawn([sys.executable, "-c", _FLOW, url], f"island-flow-{name}.log",
+                        cwd=ROOT, env={"DILOCO_TRACKING": "off", "OMP_NUM_THREADS": "1"})
 
 
 def wait_for_step(url: str, step: int, proc: subprocess.Popen, log: str) -> None:
@@ -67,7 +68,7 @@ def final_state(server: PrefectServer, proc: subprocess.Popen, name: str) -> dic
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    text = server.logs(f"{name}.log")
+    text = server.logs(f"island-flow-{name}.log")
     lines = [x for x in text.splitlines() if x.startswith("FLOW ")]
     assert lines, text[-4000:]
     return json.loads(lines[-1][len("FLOW "):])
@@ -76,10 +77,10 @@ def final_state(server: PrefectServer, proc: subprocess.Popen, name: str) -> dic
 def test_a_leaving_island_completes_its_flow_run(server, tmp_path, data_url):
     with running_run(tmp_path, data_url, 400, "train.island=replicate") as url:
         proc = start_flow(server, url, "leave")
-        wait_for_step(url, 3, proc, server.logs("leave.log")[-3000:])
-        asked = subprocess.run([DILOCO, "leave", url, "--worker", "solo"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=120)
-        assert asked.returncode == 0, asked.stderr
+        wait_for_step(url, 3, proc, server.logs("island-flow-leave.log")[-3000:])
+        # `diloco leave`, in this process: it only writes the request to the store
+        asked = CliRunner().invoke(app, ["leave", url, "--worker", "solo"])
+        assert asked.exit_code == 0, f"{asked.output}\n{asked.exception!r}"
         got = final_state(server, proc, "leave")
     assert got["state"] == "COMPLETED", got
     assert got["result"]["state"] == "left" and got["result"]["steps"] < 400, got
@@ -90,7 +91,7 @@ def test_an_island_stopped_by_a_sigterm_is_cancelled_not_failed(server, tmp_path
     ranks save one checkpoint and exit 143; the flow run says Cancelled, with the step."""
     with running_run(tmp_path, data_url, 400, "train.island=replicate") as url:
         proc = start_flow(server, url, "stop")
-        wait_for_step(url, 3, proc, server.logs("stop.log")[-3000:])
+        wait_for_step(url, 3, proc, server.logs("island-flow-stop.log")[-3000:])
         (torchrun,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
                        if any("torchrun" in part for part in p.cmdline()[:2])]
         torchrun.send_signal(signal.SIGTERM)
