@@ -314,7 +314,8 @@ def wait_for(faults: list[dict], argv: list[str], timeout: float = 600.0) -> Non
 
 def zygote() -> None:
     """``--zygote``: import what a job imports, then start every job asked for on
-    stdin (one JSON line: argv, env, cwd, log) as a fork of this process, so that no
+    stdin (one JSON line: argv, env, cwd, log, and optionally err: a log of its own
+    for stderr) as a fork of this process, so that no
     job pays the imports again (seconds of CPU each: torch, its distributed
     checkpoint, s3fs). The child takes the job's environment, working directory,
     session and log, then runs its argv as the interpreter would (``-m workers`` or
@@ -322,6 +323,10 @@ def zygote() -> None:
     This process answers ``started PID`` per job and ``exit PID CODE`` when one ends
     (CODE negative for a signal, as subprocess says); it ends when stdin closes."""
     import select
+
+    import s3fs  # noqa: F401 - an S3 run's store
+    import torch._dynamo  # noqa: F401 - imported by the first optimizer made (~1.2 s of CPU)
+    import torch.distributed.checkpoint  # noqa: F401 - a worker's checkpoints
 
     import workers.__main__  # noqa: F401 - the imports every job makes
     import workers.loop  # noqa: F401
@@ -360,6 +365,7 @@ def zygote() -> None:
 def _forked(job: dict) -> None:
     """The child of `zygote`: become the job, run it, exit as it exits."""
     import runpy
+    import warnings
 
     os.setsid()
     os.chdir(job["cwd"])
@@ -368,12 +374,17 @@ def _forked(job: dict) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     log = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    err = os.open(job.get("err", job["log"]), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(null)
-    os.close(log)
+    os.dup2(err, 2)
+    for fd in (null, log, err):
+        os.close(fd)
     argv = job["argv"][1:]  # after the interpreter
     if argv[0] == "-m":
+        # the zygote imported workers.__main__ already: runpy says so on stderr, where
+        # a fresh interpreter says nothing (a test may read a job's stderr)
+        warnings.filterwarnings("ignore", category=RuntimeWarning,
+                                message=r".* found in sys\.modules after import of package")
         sys.argv = argv[1:]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:

@@ -73,11 +73,15 @@ class Zygote:
                 self.exits[int(pid)] = int(code[0])
         self.started.put(0)  # it ended
 
-    def start(self, argv: list[str], env: dict[str, str], log: Path) -> Forked:
+    def start(self, argv: list[str], env: dict[str, str], log: Path,
+              err: Path | None = None) -> Forked:
+        """Fork a job: its stdout to ``log``, its stderr there too, or to ``err``."""
         assert self.proc.stdin is not None
+        job = {"argv": argv, "env": env, "cwd": str(ROOT), "log": str(log)}
+        if err is not None:
+            job["err"] = str(err)
         with self.lock:
-            self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(ROOT),
-                                              "log": str(log)}).encode() + b"\n")
+            self.proc.stdin.write(json.dumps(job).encode() + b"\n")
             self.proc.stdin.flush()
             pid = self.started.get(timeout=120)
         if not pid:

@@ -23,11 +23,14 @@ from workers.elastic import last_sent
 from workers.loop import WorkerLoop
 from workers.runs import create_run
 
+# No periodic worker checkpoint (a torch distributed checkpoint every 4 steps, most of
+# a worker's CPU here): no test starts a worker again, and a joiner takes the canonical
+# state, not a checkpoint.
 MICRO = [
     "model.overrides={d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 64}",
     "data.seq_len=16", "data.batch_size=4", "optim.warmup_steps=2", "optim.lr=0.01",
     "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",
-    "train.checkpoint_every=4", "sync.schedule.sync_every=4", "sync.schedule.fragments=2", "sync.schedule.overlap=1",
+    "train.checkpoint_every=0", "sync.schedule.sync_every=4", "sync.schedule.fragments=2", "sync.schedule.overlap=1",
     "sync.liveness.poll_max_s=0.05", "sync.membership.grace_min_s=0.05", "sync.membership.grace_max_s=2",
     "sync.liveness.lease_s=3",
 ]
@@ -123,7 +126,7 @@ def test_a_worker_joins_midway_and_its_rounds_are_applied(dataset):
 
 
 def test_a_leaver_finishes_its_round_and_no_one_waits_for_it(dataset):
-    run = Run(dataset, "train.steps=48", "sync.membership.quorum=1.0", "sync.membership.grace_s=30")
+    run = Run(dataset, "train.steps=32", "sync.membership.quorum=1.0", "sync.membership.grace_s=30")
     for w in run.cfg.workers:
         run.start(w)
     run.until("region-b", 10)
@@ -149,11 +152,19 @@ def test_a_name_already_taken_is_refused_and_nothing_is_written(dataset):
     run.agg.join(10)
 
 
-def test_joining_a_finished_run_is_refused_and_nothing_is_written(dataset):
-    run = Run(dataset, "train.steps=8")
+@pytest.fixture(scope="module")
+def uneven(dataset) -> Run:
+    """A finished run where region-b trains with half the batch (a smaller GPU)."""
+    run = Run(dataset, "train.steps=16", "sync.membership.quorum=1.0",
+              "data.worker_batch_size={region-b: 2}")
     for w in run.cfg.workers:
         run.start(w)
     run.wait()
+    return run
+
+
+def test_joining_a_finished_run_is_refused_and_nothing_is_written(uneven):
+    run = uneven  # any finished run
     store = ObjectStore(run.url)
     before = sorted(store.list(""))
     with pytest.raises(MembershipError, match="finished"):
@@ -161,14 +172,10 @@ def test_joining_a_finished_run_is_refused_and_nothing_is_written(dataset):
     assert sorted(store.list("")) == before
 
 
-def test_heterogeneous_batches_are_weighted_by_tokens(dataset):
+def test_heterogeneous_batches_are_weighted_by_tokens(uneven):
     """region-b trains with half the batch (a smaller GPU): in every round both
     arrive in, its weight is a third, region-a's two thirds."""
-    run = Run(dataset, "train.steps=16", "sync.membership.quorum=1.0",
-              "data.worker_batch_size={region-b: 2}")
-    for w in run.cfg.workers:
-        run.start(w)
-    run.wait()
+    run = uneven
     ex = open_run(run.url)
     both = [c["weights"] for p in range(2) for r in range(ex.manifest.rounds[p])
             if set((c := ex.mean_commit(p, r))["weights"]) == {"region-a", "region-b"}]
