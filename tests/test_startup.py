@@ -7,12 +7,15 @@ jobs and Prefect's temporary server of a `diloco run` killed with SIGKILL)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import runpy
 import signal
 import subprocess
 import sys
 import time
 import uuid
+import warnings
 from contextlib import suppress
 from pathlib import Path
 
@@ -83,6 +86,36 @@ def run_py(args: list[str], env: dict[str, str], timeout: float = 120):
                           timeout=timeout, cwd=ROOT)
 
 
+def run_module(module: str, args: list[str], env: dict[str, str],
+               capsys) -> tuple[int, str, str]:
+    """``python -m MODULE ARGS`` with the environment ``env``, run in this process as
+    the interpreter runs it (its ``__main__`` block included, without a second of
+    imports per process): its exit status, stdout and stderr. The logging set-up the job does
+    for itself, the environment and argv are put back afterwards."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    saved_env, saved_argv = dict(os.environ), sys.argv[:]
+    capsys.readouterr()
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [module, *args]
+    try:
+        with warnings.catch_warnings():  # the module was imported already: runpy says so
+            warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 # -- a missing bucket ---------------------------------------------------------------------
 
 
@@ -108,18 +141,20 @@ def test_a_missing_bucket_is_named_before_anything_starts(s3_env, data_url, tmp_
 
 @pytest.mark.s3
 @pytest.mark.parametrize("command", ["resume", "workers-aggregate", "workers-worker"])
-def test_every_entry_point_names_a_missing_bucket(s3_env, tmp_path, command):
+def test_every_entry_point_names_a_missing_bucket(s3_env, tmp_path, capsys, command):
+    """(`python -m workers` in this process: it checks the bucket before anything.)"""
     bucket = f"diloco-missing-{uuid.uuid4().hex[:12]}"
     url = f"s3://{bucket}/runs/tiny-20260101-120000"
     env = clean_env(tmp_path, fresh_prefect=True, DILOCO_TRACKING="off", **s3_env)
     if command == "resume":
         out = subprocess.run([DILOCO, "resume", url], cwd=tmp_path, env=env, text=True,
                              capture_output=True, timeout=120)
+        code, stdout, err = out.returncode, out.stdout, out.stderr
     else:
         role = ["--aggregate"] if command == "workers-aggregate" else ["--worker", "region-a"]
-        out = run_py(["-m", "workers", "--run", url, *role], env)
-    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
-    line = error_line(out.stderr)
+        code, stdout, err = run_module("workers", ["--run", url, *role], env, capsys)
+    assert code == 2, stdout[-3000:] + err[-3000:]
+    line = error_line(err)
     assert f"diloco bucket setup s3://{bucket}/PREFIX --workers NAMES" in line, line
     assert tree(tmp_path) == []
 
@@ -127,30 +162,33 @@ def test_every_entry_point_names_a_missing_bucket(s3_env, tmp_path, command):
 # -- a folder that holds no run ---------------------------------------------------------
 
 
-AGGREGATE = ["-m", "workers", "--aggregate"]
+AGGREGATE = ["workers", "--aggregate"]
 
 
 @pytest.mark.parametrize("entry, folder", [
     (AGGREGATE, "empty"), (AGGREGATE, "other-files"), (AGGREGATE, "absent"),
-    (["-m", "workers", "--worker", "region-a"], "other-files"),
-    (["-m", "flows.aggregator"], "other-files"),
-    (["-m", "flows.worker", "--worker", "region-a"], "other-files"),
+    (["workers", "--worker", "region-a"], "other-files"),
+    (["flows.aggregator"], "other-files"),
+    (["flows.worker", "--worker", "region-a"], "other-files"),
 ], ids=["workers-aggregate-empty", "workers-aggregate-other-files", "workers-aggregate-absent",
         "workers-worker", "flows-aggregator", "flows-worker"])
-def test_a_folder_that_is_not_a_run_is_left_as_it_was(tmp_path, entry, folder):
+def test_a_folder_that_is_not_a_run_is_left_as_it_was(tmp_path, capsys, entry, folder):
     """A job pointed at a folder that holds no run writes nothing there (the
-    aggregator used to register members/aggregator.json first): one line, exit 2."""
+    aggregator used to register members/aggregator.json first): one line, exit 2.
+    (`python -m MODULE` in this process: what is checked happens before the job
+    talks to anything.)"""
     where = tmp_path / "not-a-run"
     if folder != "absent":
         where.mkdir()
     if folder == "other-files":
         (where / "notes.txt").write_text("my notes\n")
     before = tree(where)
-    out = run_py([entry[0], entry[1], "--run", str(where), *entry[2:]],
-                 clean_env(tmp_path, DILOCO_TRACKING="off"))
-    assert tree(where) == before, out.stderr[-3000:]
-    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
-    assert f"no run at {where}" in error_line(out.stderr)
+    code, out, err = run_module(entry[0], ["--run", str(where), *entry[1:]],
+                                clean_env(tmp_path, fresh_prefect=True, DILOCO_TRACKING="off"),
+                                capsys)
+    assert tree(where) == before, err[-3000:]
+    assert code == 2, out[-3000:] + err[-3000:]
+    assert f"no run at {where}" in error_line(err)
 
 
 # -- no process outlives its launcher ------------------------------------------------------
@@ -274,7 +312,9 @@ def test_sigterm_to_diloco_run_as_pid_1_checkpoints_and_says_so(tmp_path, data_u
         f"  diloco resume runs/{name}"], err[-2000:]
     for worker in ("region-a", "region-b"):
         assert list(tmp_path.glob(f"runs/{name}/workers/{worker}/ckpt/*.json")), worker
-    resumed = subprocess.run([DILOCO, "resume", name], cwd=tmp_path, env=env, text=True,
+    # (the resume only finishes the run: on the Prefect server this process keeps)
+    resumed = subprocess.run([DILOCO, "resume", name], cwd=tmp_path, text=True,
+                             env=clean_env(tmp_path, shared_prefect=True, DILOCO_TRACKING="off"),
                              capture_output=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert f"{name} finished in" in resumed.stdout
