@@ -146,9 +146,18 @@ def assert_same_bits(u1: str, u4: str) -> None:
         assert c4["shards"] == 4 and "shards" not in c1
 
 
-def test_one_and_four_shards_give_the_same_bits():
-    u1, u4 = make_run(1), make_run(4)
+@pytest.fixture(scope="module")
+def reference() -> tuple[str, Aggregator]:
+    """The K = 1 run of CFG aggregated to the end, which every K = 4 run of CFG must
+    match bit for bit (`make_run` is seeded: the same contributions every time); the
+    tests only read it."""
+    u1 = make_run(1)
     [one] = aggregate(u1, 1)
+    return u1, one
+
+
+def test_one_and_four_shards_give_the_same_bits(reference):
+    (u1, one), u4 = reference, make_run(4)
     shards = aggregate(u4, 4)
     assert_same_bits(u1, u4)
     for p in range(2):  # the shards' slices in memory are the canonical state too
@@ -197,9 +206,8 @@ def test_bad_contributions_are_rejected_by_every_shard_alike():
 
 
 @pytest.mark.parametrize("stage", ["published", "stepped", "checkpointed"])
-def test_a_killed_shard_resumes_to_the_same_bits(stage):
-    u1, u4 = make_run(1), make_run(4)
-    aggregate(u1, 1)
+def test_a_killed_shard_resumes_to_the_same_bits(stage, reference):
+    (u1, _), u4 = reference, make_run(4)
     kills = {(2, stage, 0, 1), (0, stage, 1, 2), (3, stage, 1, 0)}
     lock = threading.Lock()
 
@@ -239,7 +247,7 @@ def test_the_peers_way_down_with_shards_carries_the_decision_only():
     assert not [k for k in store.list("frag") if "/mean/" in k]
 
 
-def test_shard_jobs_follow_shard_0_and_the_launchers_start_them():
+def test_shard_jobs_follow_shard_0_and_the_launchers_start_them(reference):
     """``python -m flows.aggregator --shard S`` (run_shard_job) reduces its slice until
     every round is done, to the K = 1 bits; a start launches K jobs, each named and
     commanded for its shard; a shard outside 1..K-1 is refused before anything runs."""
@@ -247,8 +255,7 @@ def test_shard_jobs_follow_shard_0_and_the_launchers_start_them():
     from flows.jobs import to_launch  # noqa: PLC0415
     from flows.launchers import DeploymentLauncher, LocalLauncher  # noqa: PLC0415
 
-    u1, u4 = make_run(1), make_run(4)
-    aggregate(u1, 1)
+    (u1, _), u4 = reference, make_run(4)
     outs: dict[int, dict] = {}
     jobs = [threading.Thread(target=lambda s=s: outs.__setitem__(s, run_shard_job(u4, shard=s)))
             for s in (1, 2, 3)]
