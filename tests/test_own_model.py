@@ -94,16 +94,22 @@ def short_run() -> list[str]:
 
 
 @pytest.mark.slow
-def test_run_export_sample_with_your_own_config_tokenizer_and_shards(own, in_process):
-    out = diloco(["run", "own.yaml", *short_run()], own)
+def test_run_export_sample_with_your_own_config_tokenizer_and_shards(own, in_process,
+                                                                     monkeypatch):
+    # one worker: the user's model, tokenizer and shards are the subject, not how many
+    # train them (a job process less)
+    out = diloco(["run", "own.yaml", *short_run(), "--set", "workers=[region-a]"], own)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = next((own / "runs").iterdir())
     canon = canonical_model(open_run(str(run)))
     assert canon.model.layers[0].attn.wq.bias is not None  # Qwen2's q/k/v biases
     assert canon.model.head is not None  # untied
 
-    export = diloco(["export", run.name, "--out", "my-model"], own)
-    assert export.returncode == 0, export.stdout + export.stderr
+    # export and sample in this process, from the user's folder (what they write is
+    # the subject, not the command's start-up)
+    monkeypatch.chdir(own)
+    export = in_process.invoke(app, ["export", run.name, "--out", "my-model"])
+    assert export.exit_code == 0, export.stdout + export.stderr
     model_dir = own / "my-model"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
         p.name for p in model_dir.iterdir()}
@@ -116,8 +122,9 @@ def test_run_export_sample_with_your_own_config_tokenizer_and_shards(own, in_pro
         torch.testing.assert_close(hf(input_ids=x).logits, canon.model(x)[0],
                                    atol=1e-4, rtol=1e-4)
 
-    sample = diloco(["sample", run.name, "--prompt", "KING LEAR:", "--tokens", "12"], own)
-    assert sample.returncode == 0, sample.stderr
+    sample = in_process.invoke(app, ["sample", run.name, "--prompt", "KING LEAR:",
+                                     "--tokens", "12"])
+    assert sample.exit_code == 0, sample.stderr
     assert sample.stdout.startswith("KING LEAR:")
     assert len(sample.stdout) > len("KING LEAR:\n")
 
