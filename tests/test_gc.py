@@ -6,30 +6,42 @@ not finished."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from cli_runs import SHORT, clean_env
+from cli_runs import SHORT
 
 from diloco.run import open_run
 from storage.objectstore import ObjectStore
 from workers import gc as collecting
 
-DILOCO = str(Path(sys.executable).parent / "diloco")
 
+def train(run: Path, config: Any = None) -> dict[str, Any]:
+    """`diloco run` (``config``) or `diloco resume` (None) of ``run``, as their flow
+    calls them but in this process (the command's and Prefect's start-up are not
+    what is checked here): the jobs are processes, the launcher this one. Tracking
+    off: no MLflow in the jobs (what it puts in a run, tracking.json, is a record,
+    kept as the run's other records are)."""
+    from flows.launchers import LocalLauncher
+    from flows.train import run_train
 
-def diloco(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([DILOCO, *args], cwd=cwd, env=clean_env(cwd, shared_prefect=True, MLFLOW_TRACKING="0"),
-                          text=True, capture_output=True, timeout=timeout)
+    with pytest.MonkeyPatch.context() as patch:
+        for key in list(os.environ):
+            if key.startswith(("PREFECT_", "MLFLOW_", "DILOCO_", "AWS_")):
+                patch.delenv(key)
+        patch.setenv("DILOCO_TRACKING", "off")
+        return run_train(config, str(run), launcher=LocalLauncher(), resume=config is None,
+                         poll_s=0.3)
 
 
 @pytest.fixture
 def cli(in_process, monkeypatch):
-    """``diloco ARGS`` as `diloco` above, but in this process (no start-up of a
-    command per call; `diloco run` and `resume` stay processes): cwd ``tmp_path``,
+    """``diloco ARGS`` in this process (no start-up of a command per call; a run and
+    a resume are `train`'s, above): cwd ``tmp_path``,
     a clean environment. An exception the command did not turn into its one-line
     error fails here (a process would print its traceback)."""
     from cli.app import app
@@ -55,11 +67,15 @@ def files(root: Path) -> dict[str, int]:
 def finished(tmp_path_factory) -> Path:
     """A real short run that kept everything (no gc after it), three checkpoints per
     worker (steps 8, 16, 24)."""
-    cwd = tmp_path_factory.mktemp("gc")
-    out = diloco(["run", *SHORT, "--set", "retention.after_run=false",
-                  "--set", "retention.worker_checkpoints=3"], cwd)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    (run,) = (cwd / "runs").iterdir()
+    from workers.config import load_config
+
+    run = tmp_path_factory.mktemp("gc") / "runs" / "tiny-gc"
+    overrides = [value for flag, value in zip(SHORT[::2], SHORT[1::2], strict=True)
+                 if flag == "--set"]
+    cfg = load_config("tiny", [*overrides, "retention.after_run=false",
+                               "retention.worker_checkpoints=3"])
+    report = train(run, cfg)
+    assert report["state"] == "finished", report
     return run
 
 
@@ -151,8 +167,8 @@ def test_gc_of_a_run_that_can_resume_keeps_what_resume_needs(run, tmp_path, cli)
             "00000024.json"]
     assert orphan.exists()
     assert deltas(run) == payloads
-    resumed = diloco(["resume", run.name], tmp_path)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    resumed = train(run)
+    assert resumed["state"] == "finished", resumed
     assert json.loads(status.read_text())["state"] == "finished"
 
 
@@ -164,6 +180,9 @@ def test_bad_input_is_one_line(run, cli):
     assert missing.returncode == 2 and "no run" in missing.stderr, missing.stderr
 
 
+# One S3 server is enough for the sizes of a listing: SeaweedFS, the real store (a
+# filer with folders under its keys), rather than moto's mock.
+@pytest.mark.s3_backends("seaweedfs")
 def test_sizes_lists_every_key_with_its_size(make_store):
     store = make_store()
     store.put("a/b.json", b"12345")
