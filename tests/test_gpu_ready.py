@@ -57,13 +57,21 @@ def _gpu_check():
     return module
 
 
+# A narrower, shallower model than the recipes' (21M parameters for small, 3.3M for
+# tiny): what these checks assert (every step, round, section and figure is there)
+# does not depend on the model's size, and most of their CPU time did.
+SMALLER = "model.overrides={d_model: 64, n_layers: 4, n_heads: 2}"
+
+
 def test_gpu_check_runs_a_recipe_on_the_cpu(tmp_path, capsys):
-    """The path a user without a GPU can try: the small recipe, shortened rounds."""
+    """The path a user without a GPU can try: the small recipe, shortened rounds (and
+    here a smaller model)."""
     import json  # noqa: PLC0415
 
     code = _gpu_check().main(["--device", "cpu", "--recipe", "small", "--steps", "8",
                               "--dir", str(tmp_path), "--set", "data.batch_size=2",
-                              "--set", "data.seq_len=32", "--set", "train.threads=1"])
+                              "--set", "data.seq_len=32", "--set", "train.threads=1",
+                              "--set", SMALLER])
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["sync_every"] == 4 and report["rounds_merged"][0] >= 4  # 2 per fragment
@@ -78,11 +86,21 @@ def test_gpu_check_fails_without_the_device_it_was_asked_for(capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_the_prepared_check_runs_every_section_on_the_cpu(tmp_path, capsys):
-    """``--all --quick`` on the CPU: what a lent GPU machine will run, small. Every
-    section writes its figures; the torch codecs give the host's bits."""
+def test_the_prepared_check_runs_every_section_on_the_cpu(tmp_path, capsys, monkeypatch):
+    """``--all --quick`` on the CPU: what a lent GPU machine will run, small (and here
+    the tiny recipe's model smaller still: every config the check loads of it, so the
+    runs' manifests and the worker processes that read them too). Every section
+    writes its figures; the torch codecs give the host's bits."""
     import json  # noqa: PLC0415
 
+    from workers import config  # noqa: PLC0415
+
+    load = config.load_config
+
+    def smaller_tiny(source=None, overrides=None):
+        return load(source, [*(overrides or []), *([SMALLER] if source == "tiny" else [])])
+
+    monkeypatch.setattr(config, "load_config", smaller_tiny)
     code = _gpu_check().main(["--all", "--out", str(tmp_path), "--device", "cpu", "--quick"])
     assert code == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "gpu.json").read_text())
