@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from faults import ROOT, Jobs, env_for, fired, job_argv
+from faults import Jobs, env_for, fired, forkable, job_argv, zygote
 
 from diloco.audit import audit
 from diloco.membership import read_json, request_leave
@@ -87,9 +86,16 @@ def where(request, tmp_path) -> Where:
     return Where(f"s3://{bucket}/elastic-{uuid.uuid4().hex[:10]}", options, env_for(**env))
 
 
+#: on S3 each poll is a request (a listing or a GET) the S3 server and the job's client
+#: both pay for, and 0.05 s between them was most of an S3 trial's CPU; a lease of 2-3 s
+#: and a grace window of up to 2 s are still many polls long
+S3_POLL = "sync.liveness.poll_max_s=0.25"
+
+
 def new_run(where: Where, data_url: str, *extra: str) -> None:
-    create_run(load_config("tiny", [*MICRO, f"data.dataset={data_url}", *extra]), where.url,
-               storage_options=where.options)
+    s3 = [S3_POLL] if where.url.startswith("s3://") else []
+    create_run(load_config("tiny", [*MICRO, f"data.dataset={data_url}", *s3, *extra]),
+               where.url, storage_options=where.options)
 
 
 def worker_argv(url: str, name: str, *, join: bool = False, faulty: bool = False,
@@ -269,22 +275,27 @@ def test_two_joiners_race_for_one_name(where, data_url, tmp_path):
     store = where.store()
     with Jobs(tmp_path / "logs", TRIAL_TIMEOUT) as jobs:
         jobs.start("aggregator", worker_argv(where.url, "aggregator"), where.env)
-        racers = {}
+        racers, outs = {}, {}
+        # forks of the zygote (tests/faults.py), each in a session of its own, stdout
+        # and stderr apart: a new interpreter each would import torch for nothing
         for claim in ("claim-one", "claim-two"):  # started together, no wait between
-            racers[claim] = subprocess.Popen(
+            streams = (tmp_path / f"{claim}.out", tmp_path / f"{claim}.err")
+            racers[claim] = (zygote().start(
                 worker_argv(where.url, JOINER, join=True, claim=claim, level="WARNING"),
-                cwd=ROOT, env=where.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                stdin=subprocess.DEVNULL, start_new_session=True, text=True)
+                where.env, *streams), streams)
         try:
             until("the name was claimed", lambda: store.exists(layout.member(JOINER)), jobs)
             for name in ("region-a", "region-b"):
                 jobs.start(name, worker_argv(where.url, name), where.env)
-            outs = {c: p.communicate(timeout=TRIAL_TIMEOUT) for c, p in racers.items()}
+            for c, (p, streams) in racers.items():
+                p.wait(timeout=TRIAL_TIMEOUT)
+                outs[c] = tuple(path.read_text() for path in streams)
         finally:
-            for p in racers.values():
+            for p, _ in racers.values():
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
         jobs.wait()
+    racers = {c: p for c, (p, _) in racers.items()}
     codes = {c: p.returncode for c, p in racers.items()}
     assert sorted(codes.values()) == [0, 2], (codes, outs)
     winner = next(c for c, code in codes.items() if code == 0)
@@ -374,9 +385,13 @@ def test_aggregator_restarted_during_a_join(boundary, where, data_url, tmp_path)
     assert status.get("state") == "finished", status
 
 
-def test_fault_job_without_faults_is_the_plain_entry_point():
-    """tests/fault_job.py with no faults is the plain entry point (a usage error)."""
-    out = subprocess.run([sys.executable, FAULT_JOB, "--", "--run", "/nonexistent/x",
-                          "--worker", "a"], capture_output=True, text=True,
-                         env=env_for(), timeout=60)
-    assert out.returncode == 2 and out.stderr.strip().startswith("error:"), out
+def test_fault_job_without_faults_is_the_plain_entry_point(tmp_path):
+    """tests/fault_job.py with no faults is the plain entry point (a usage error). Run
+    as the trials run it: a fork of the zygote, which runs the script as ``__main__``
+    (a new interpreter would import torch again for nothing)."""
+    argv = [sys.executable, FAULT_JOB, "--", "--run", "/nonexistent/x", "--worker", "a"]
+    assert forkable(argv)
+    log = tmp_path / "job.log"
+    code = zygote().start(argv, env_for(), log).wait(timeout=60)
+    out = log.read_text()
+    assert code == 2 and out.strip().startswith("error:"), (code, out)
