@@ -1,6 +1,8 @@
-"""Multi-process training under torchrun, the way a user launches it: a two-process
-island inside one region, and the data-parallel baseline across two workers.
-gloo on CPU; the store is a local directory; the aggregator runs in this process."""
+"""Multi-process training the way a user launches it: a two-process island inside one
+region under torchrun, and the data-parallel baseline across two workers (two ranks
+started with torchrun's environment, as tests/test_island_stop.py starts an island's).
+gloo on CPU; the store is a local directory; the aggregator runs in this process, and
+so does the one-process worker the island is compared with."""
 
 from __future__ import annotations
 
@@ -52,6 +54,31 @@ def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     return out
 
 
+def ranks(nproc: int, logs: Path, *args: str) -> str:
+    """``python -m workers ARGS`` as ``nproc`` ranks with the environment torchrun gives
+    them (no torchrun agent process); all must exit 0. Their stderr, rank after rank."""
+    logs.mkdir()
+    port, procs = free_port(), []
+    for rank in range(nproc):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        with open(logs / f"err{rank}", "w") as err:
+            procs.append(subprocess.Popen([sys.executable, "-m", "workers", *args], cwd=ROOT,
+                                          env=env, stdout=subprocess.DEVNULL, stderr=err))
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:  # a hung rank: end it (only the processes started here)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    stderr = "".join((logs / f"err{rank}").read_text() for rank in range(nproc))
+    assert codes == [0] * nproc, stderr[-3000:]
+    return stderr
+
+
 def losses(stderr: str, worker: str) -> list[float]:
     found = {}
     for w, step, loss in STEP.findall(stderr):
@@ -61,6 +88,11 @@ def losses(stderr: str, worker: str) -> list[float]:
 
 
 def run_island(tmp_path: Path, data_url: str, nproc: int) -> list[float]:
+    """The loss curve of worker ``solo``: an island of ``nproc`` processes under
+    torchrun, or with ``nproc`` 1 the worker in this process (`WorkerLoop`, what
+    ``python -m workers`` runs; its losses as the progress log writes them)."""
+    from workers.loop import WorkerLoop  # noqa: PLC0415
+
     url = str(tmp_path / f"island{nproc}")
     cfg = load_config("tiny", [*MICRO, f"data.dataset={data_url}", "workers=[solo]",
                                "data.slots=1"])  # the whole data, as before data slots
@@ -69,13 +101,24 @@ def run_island(tmp_path: Path, data_url: str, nproc: int) -> list[float]:
     stop = threading.Event()
     t = threading.Thread(target=agg.run, args=(stop, 300))
     t.start()
+    logged: dict[int, float] = {}
     try:
-        out = torchrun(nproc, "--run", url, "--worker", "solo")
+        if nproc == 1:
+            def metrics(m):
+                if "loss" in m:
+                    logged[m["step"]] = float(f"{m['loss']:.4f}")  # workers.progress's %.4f
+            loop = WorkerLoop.open(url, "solo", metrics=metrics)
+            try:
+                loop.run()
+            finally:
+                loop.close()
+        else:
+            out = torchrun(nproc, "--run", url, "--worker", "solo")
     finally:
         t.join(60)
         stop.set()
     assert agg.done
-    return losses(out.stderr, "solo")
+    return [logged[s] for s in sorted(logged)] if nproc == 1 else losses(out.stderr, "solo")
 
 
 def test_two_process_island_matches_one_process(tmp_path, data_url):
@@ -95,8 +138,8 @@ def test_data_parallel_baseline_on_two_processes(tmp_path, data_url):
     cfg = load_config("tiny", [*MICRO, f"data.dataset={data_url}",
                                "train.strategy=data_parallel", "train.checkpoint_every=16"])
     create_run(cfg, url)
-    out = torchrun(2, "--run", url, "--worker", "auto")
-    a, b = losses(out.stderr, "region-a"), losses(out.stderr, "region-b")
+    stderr = ranks(2, tmp_path / "logs", "--run", url, "--worker", "auto")
+    a, b = losses(stderr, "region-a"), losses(stderr, "region-b")
     assert len(a) == 16 and a == b  # the all-reduced loss is the same on both ranks
     assert a[-1] < a[0] - 1.0
     # both workers checkpointed identical parameters at step 16
