@@ -49,6 +49,19 @@ def outer(res, worker: str, fragments: int) -> torch.Tensor:
     return torch.cat([sync.outer_params(p) for p in range(fragments)])
 
 
+_PLAIN: dict[int, tuple[str, object]] = {}
+
+
+def plain_run(p: int):
+    """(url, result) of the run of CONFIGS[p] never stopped, trained once per module:
+    the reference of the restarted run and the run whose canonical model is read."""
+    if p not in _PLAIN:
+        u = url()
+        _PLAIN[p] = u, train_replicas(u, Blocks, data, CONFIGS[p], total_steps=STEPS,
+                                      inner_lr=0.05)
+    return _PLAIN[p]
+
+
 @pytest.mark.parametrize("p", [2, 4])
 def test_split_run_restarted_from_checkpoints_ends_with_the_same_bits(p):
     """Workers restarted from their state (a fragment in flight) and an aggregator
@@ -58,7 +71,7 @@ def test_split_run_restarted_from_checkpoints_ends_with_the_same_bits(p):
     assert any(not s.whole for f in plan.fragments for s in f.params), "a tensor is cut"
     sizes = [f.numel for f in plan.fragments]
     assert max(sizes) - 337 / p < cfg.codec.block_size
-    plain = train_replicas(url(), Blocks, data, cfg, total_steps=STEPS, inner_lr=0.05)
+    _, plain = plain_run(p)
     u = url()
     restarts: list[int] = []
     kills = {("published", 0, 1), ("stepped", 1, 0), ("checkpointed", p - 1, 0)}
@@ -83,8 +96,7 @@ def test_the_canonical_model_reassembles_split_tensors(p):
     each holds the canonical parameters); the round-0 model from canonical_after (what
     an export of round 0 writes) is the initial model."""
     cfg = CONFIGS[p]
-    u = url()
-    res = train_replicas(u, Blocks, data, cfg, total_steps=STEPS, inner_lr=0.05)
+    u, res = plain_run(p)
     ex = open_run(ObjectStore(u))
     fresh = Blocks()
     plan = plan_for(fresh, cfg)
