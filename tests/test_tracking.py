@@ -798,10 +798,13 @@ def test_artifacts_survive_moving_the_directory(tmp_path: Path, monkeypatch: pyt
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # one worker and no job runner (as tests/mlflow_server.py): they serve no artifact,
+    # and start five more processes (about 17 s of CPU)
     ui = subprocess.Popen(  # noqa: S603 - mlflow ui from the moved directory, as the hint says
         [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", "sqlite:///mlflow.db",
-         "--host", "127.0.0.1", "--port", str(port)], cwd=moved, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"], cwd=moved,
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     try:
         url = (f"http://127.0.0.1:{port}/get-artifact?path=summary.json"
                f"&run_uuid={parent.info.run_id}")
