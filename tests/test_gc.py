@@ -47,7 +47,6 @@ def cli(in_process, monkeypatch):
     from cli.app import app
 
     monkeypatch.setenv("COLUMNS", "120")
-    monkeypatch.setenv("MLFLOW_TRACKING", "0")
 
     def run(args: list[str]) -> subprocess.CompletedProcess:
         result = in_process.invoke(app, args)

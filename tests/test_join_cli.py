@@ -21,7 +21,7 @@ DILOCO = str(Path(sys.executable).parent / "diloco")
 
 
 def env(cwd: Path) -> dict[str, str]:
-    return clean_env(cwd, shared_prefect=True, MLFLOW_TRACKING="0", DILOCO_TRACKING="off")
+    return clean_env(cwd, shared_prefect=True, DILOCO_TRACKING="off")
 
 
 def unwrapped(text: str) -> str:
