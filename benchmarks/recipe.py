@@ -70,6 +70,9 @@ MODES: dict[str, list[str]] = {
               "sync.schedule.overlap=1", "sync.schedule.alpha=0.5"],
     "pure-eager": ["sync.schedule.mode=eager", "sync.schedule.eager_rule=pure", "sync.schedule.fragments=2",
                    "sync.schedule.overlap=0"],
+    # the eager paper's baseline: the previous round's mean alone
+    "naive-eager": ["sync.schedule.mode=eager", "sync.schedule.eager_rule=naive", "sync.schedule.fragments=2",
+                    "sync.schedule.overlap=0"],
     # never waits, and the means are on time: the best never-waiting setting of the
     # eager sweep (benchmarks/results/eager-sweep.jsonl); needs H/P > 12
     "eager-tau12": ["sync.schedule.mode=eager", "sync.schedule.eager_rule=adaptive", "sync.schedule.fragments=2",
@@ -84,6 +87,7 @@ MODE_LABELS = {
     "eager-tau12": "adaptive eager (tau=12, alpha=0.3)",
     "eager": "adaptive eager (tau=1, alpha=0.5)",
     "pure-eager": "pure eager (paper's rule)",
+    "naive-eager": "naive delayed (previous mean only)",
 }
 # Error feedback stays at the product default: on for int4 up, off for int8 down.
 # The sparse codecs send the top k = 64 of every 4096 values with 2-bit codes and a

@@ -36,7 +36,7 @@ from diloco.strict import names_unknown_fields, unknown_fields_message
 from storage.codecs import CODEC_NAMES, SPARSE_CODECS, CodecSpec
 
 Mode = Literal["diloco", "streaming", "eager"]
-EagerRule = Literal["adaptive", "pure"]
+EagerRule = Literal["adaptive", "pure", "naive"]
 Pattern = Literal["strided", "sequential"]
 OuterStep = Literal["nesterov", "average"]
 MeanFrom = Literal["aggregator", "peers"]
@@ -91,8 +91,9 @@ class ScheduleConfig(_Section):
     fragments, each sent tau steps before its merge; eager: never wait for this
     round's mean (``eager_rule`` picks how the merge stands in for it)."""
     eager_rule: EagerRule = "adaptive"
-    """mode eager: adaptive (merge the local delta with the last mean) or pure
-    (apply the previous round's mean at the send)."""
+    """mode eager: adaptive (merge the local delta with the last mean), pure
+    (the paper's estimate: the others' previous part and the local delta) or naive
+    (apply only the previous round's mean, the baseline the paper beats)."""
     sync_every: int = Field(default=50, ge=1)
     """H: inner steps between two syncs of the same fragment."""
     fragments: int = Field(default=1, ge=1)
@@ -159,11 +160,17 @@ class ScheduleConfig(_Section):
         return self.overlap == "auto"
 
     @property
+    def sends_at_merge(self) -> bool:
+        """The eager rules that apply a whole previous mean (pure, naive): each send
+        happens at its merge step and the live fragment restarts from the outer value."""
+        return self.mode == "eager" and self.eager_rule in ("pure", "naive")
+
+    @property
     def send_offset(self) -> int:
-        """Steps between a fragment's send and its merge (pure eager sends at the
-        merge). With ``overlap: auto`` the reference tau, ``overlap_start``, which fixes
+        """Steps between a fragment's send and its merge (pure and naive eager send
+        at the merge). With ``overlap: auto`` the reference tau, ``overlap_start``, which fixes
         the round counts (the workers' decisions keep it past the run's end)."""
-        if self.mode == "eager" and self.eager_rule == "pure":
+        if self.sends_at_merge:
             return 0
         if self.auto:
             return int(self.overlap_start or max(1, self.sync_every // self.fragments - 1))
@@ -171,9 +178,9 @@ class ScheduleConfig(_Section):
 
     @property
     def merge_alpha(self) -> float:
-        """The alpha the merge really uses: blocking DiLoCo and pure eager set the live
-        fragment to the new outer value (alpha 0)."""
-        if self.mode == "diloco" or (self.mode == "eager" and self.eager_rule == "pure"):
+        """The alpha the merge really uses: blocking DiLoCo and pure and naive eager
+        set the live fragment to the new outer value (alpha 0)."""
+        if self.mode == "diloco" or self.sends_at_merge:
             return 0.0
         return self.alpha
 

@@ -7,7 +7,8 @@ order the document pins, because algebraically equal forms give other float bits
 and the tests compare replicas with the aggregator bit for bit.
 
 The modes' outer gradients: blocking DiLoCo and streaming use the round's mean;
-eager's ``pure`` rule the paper's estimate; eager's ``adaptive`` rule (the default)
+eager's ``pure`` rule the paper's estimate, its ``naive`` rule the previous mean
+alone (the baseline it beats); eager's ``adaptive`` rule (the default)
 the own fresh part ``w * delta_m^(r)`` plus the others' part of every earlier
 round whose mean has arrived, so each contribution is applied once. ``w`` of the
 fresh part is ``1 / M``, and a round's correction uses the same ``w``, so a worker
@@ -114,6 +115,13 @@ def pure_eager(own: torch.Tensor, weight: float, previous: Arrived | None) -> to
     else:
         others = others_part(previous.mean, previous.own, previous.weight)
     return others + weight * own
+
+
+def naive_delayed(previous_mean: torch.Tensor) -> torch.Tensor:
+    """The naive delayed rule at the merge of round ``r``: ``delta^(r-1)``, the whole
+    previous mean (this worker's own stale part included), nothing of round ``r``.
+    The baseline of the eager-updates paper (arXiv 2502.12996), kept to measure it."""
+    return previous_mean.clone()
 
 
 def adaptive_eager(

@@ -313,6 +313,8 @@ class Synchronizer:
             sent.own_applied = sent.correction_applied = True
         elif self.config.schedule.eager_rule == "pure" and not final:
             grad = self._pure_eager(sent)
+        elif self.config.schedule.eager_rule == "naive":
+            grad = self._naive_delayed(sent, final)
         else:
             grad = self._adaptive_eager(sent, wait=final)
         if grad is not None:
@@ -335,6 +337,26 @@ class Synchronizer:
             self.stats.staleness.append(1)
         sent.own_weight, sent.own_applied = self.own_weight, True
         return rules.pure_eager(own, self.own_weight, previous)
+
+    def _naive_delayed(self, sent: Round, final: bool) -> torch.Tensor | None:
+        """The naive delayed rule: the means of the earlier rounds not applied yet
+        (normally round ``r - 1`` alone; none in round 0: no step), each its own outer
+        step in round order, as the aggregator took them; the final round adds its own
+        mean. Nothing of round ``r`` is applied at its merge (``own_weight`` 0), so the
+        worker runs the canonical trajectory one round late and ends on it. Returns
+        the last mean (the merge's step), the earlier ones already stepped."""
+        p, r = sent.fragment, sent.round
+        sent.own_weight, sent.own_applied = 0.0, True
+        owed = self.inflight.owed(p, upto=r if final else r - 1)
+        means = []
+        for s in owed:
+            self.inflight.wait_mean(s)
+            means.append(self.inflight.mean(s))
+            s.correction_applied = True
+            self.stats.staleness.append(r - s.round)
+        for mean in means[:-1]:
+            self.outer[p].step(to_device(mean, self.device))
+        return means[-1] if means else None
 
     def _adaptive_eager(self, sent: Round, wait: bool) -> torch.Tensor:
         p, r = sent.fragment, sent.round
@@ -360,10 +382,18 @@ class Synchronizer:
     def _apply_outstanding(self, p: int) -> None:
         """Eager modes at the end, when no final round carried them: wait for every
         mean of fragment ``p``, then apply the others' parts not applied yet as a
-        correction (`rules.correct`: no momentum, not a round)."""
+        correction (`rules.correct`: no momentum, not a round). The naive rule owes
+        whole means: each is an outer step, as on the aggregator."""
         owed = self.inflight.owed(p)
         for s in owed:
             self.inflight.wait_mean(s)
+        if self.config.schedule.eager_rule == "naive":
+            for s in owed:
+                self.outer[p].step(to_device(self.inflight.mean(s), self.device))
+                s.correction_applied = True
+            if owed:
+                self.plan.scatter(self.model, p, self.outer[p].params)
+            return
         correction = rules.outstanding([self.inflight.arrived(s) for s in owed])
         for s in owed:
             s.correction_applied = True

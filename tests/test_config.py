@@ -102,7 +102,7 @@ def test_unknown_field_is_named_with_the_allowed_ones():
     ("field", "value", "allowed"),
     [
         ("mode", "blocking", "'diloco', 'streaming' or 'eager'"),
-        ("eager_rule", "naive", "'adaptive' or 'pure'"),
+        ("eager_rule", "delayed", "'adaptive', 'pure' or 'naive'"),
         ("pattern", "random", "'strided' or 'sequential'"),
     ],
 )
@@ -242,6 +242,9 @@ def test_k_is_set_one_way_and_scales_with_the_chunk_by_default():
               alpha=0.25), 1, 0.25),
         # pure eager: sends at the merge point and sets live = outer
         (dict(mode="eager", eager_rule="pure", sync_every=6, fragments=3, overlap=1,
+              alpha=0.25), 0, 0.0),
+        # naive delayed: the same schedule as pure eager
+        (dict(mode="eager", eager_rule="naive", sync_every=6, fragments=3, overlap=1,
               alpha=0.25), 0, 0.0),
     ],
 )

@@ -26,7 +26,9 @@ def _run(cfg: SyncConfig):
     # pure eager waits for the round before (adaptive's result depends on which means
     # have arrived: timing); its end applies the outstanding parts as a correction
     ({"mode": "eager", "eager_rule": "pure"}, {"up": "int8", "block_size": 32}),
-], ids=["streaming-int4", "eager-pure"])
+    # naive delayed: its end steps the outstanding means, one outer step each
+    ({"mode": "eager", "eager_rule": "naive"}, {"up": "int8", "block_size": 32}),
+], ids=["streaming-int4", "eager-pure", "eager-naive"])
 def test_outer_state_on_the_device_gives_the_bits_of_the_cpu(sync):
     """Outer parameters, momentum, error-feedback residuals and the live model agree
     bit for bit after a run with either placement (the device here is the CPU)."""

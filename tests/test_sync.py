@@ -196,6 +196,64 @@ def test_adaptive_eager_applies_every_contribution_once():
         torch.testing.assert_close(_outer(res, w), canonical, rtol=1e-5, atol=1e-6)
 
 
+def test_naive_delayed_is_the_canonical_trajectory_one_round_late():
+    """eager_rule naive, outer momentum on: at every merge of round r >= 1 each worker's
+    outer parameters and momentum are the aggregator's state after round r - 1, bit
+    for bit (it applied mean^(r-1) and nothing of round r); round 0 takes no step.
+    The two workers agree bit for bit, and after finish() every mean was applied once,
+    each as its own outer step: the live model and momentum are the canonical ones."""
+    from diloco.run import load_initial  # noqa: PLC0415
+    from storage.checkpoints import read_checkpoint  # noqa: PLC0415
+
+    cfg = _eager(mode="eager", eager_rule="naive")
+    seen: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def record(worker, step, sync):
+        for p, r in _merges(cfg, step):
+            momentum = sync.outer_momentum(p)
+            seen[(worker, p, r)] = (sync.outer_params(p).clone(),
+                                    None if momentum is None else momentum.clone())
+
+    res = train_replicas(url(), Blocks, data, cfg, total_steps=16, on_step=record,
+                         inner_lr=0.05)
+    ex = res.aggregator.exchange
+    initial = load_initial(ex, 2)
+    assert len(seen) == 2 * 8
+    for (worker, p, r), (params, momentum) in seen.items():
+        if r == 0:  # nothing to apply yet: no step, no momentum
+            assert momentum is None or not momentum.any(), (worker, p)
+            continue
+        arrays, _ = read_checkpoint(ex.store, f"global/frag/{p}/r{r - 1:06d}.json")
+        assert torch.equal(params, torch.from_numpy(arrays["params"])), (worker, p, r)
+        assert torch.equal(momentum, torch.from_numpy(arrays["momentum"])), (worker, p, r)
+        assert torch.equal(params, seen[("w1" if worker == "w0" else "w0", p, r)][0])
+    for w in ("w0", "w1"):
+        # rounds 1-3 of each fragment, fragment 0's round 3 with its final round 4
+        assert res.traces[w].sync.stats.staleness.count(1) == 7
+        for p in range(2):
+            live = res.traces[w].sync.plan.gather(res.traces[w].model, p)
+            assert torch.equal(live, res.aggregator.canonical(p))
+            assert torch.equal(res.traces[w].sync.outer_momentum(p), res.aggregator.momentum(p))
+            assert not torch.equal(live, initial[p])
+
+
+def test_naive_delayed_trails_blocking_diloco_by_a_round():
+    """M = 1, codec none: naive delayed is not blocking DiLoCo (a round's work lands
+    one round late, the worker restarting from the stale outer value), which pure
+    eager equals in this setting: the rule the eager paper measures as worse."""
+    h, outer = {"sync_every": 3, "fragments": 1}, {"lr": 0.7, "momentum": 0.9}
+    blocking = train_replicas(url(), Blocks, data,
+                              SyncConfig(schedule={"mode": "diloco", **h}, outer=outer),
+                              workers=("w0",), total_steps=12)
+    naive = train_replicas(url(), Blocks, data,
+                           SyncConfig(schedule={"mode": "eager", "eager_rule": "naive", **h},
+                                      outer=outer),
+                           workers=("w0",), total_steps=12)
+    b, n = blocking.traces["w0"].losses, naive.traces["w0"].losses
+    assert b[:3] == n[:3]  # the first round trains from the same start
+    assert b[3:6] != n[3:6]  # after round 0's merge: blocking moved, naive restarted
+
+
 def test_synchronizer_resumes_exactly_from_its_state_dict():
     """A worker restarted from state_dict() mid-run (a fragment in flight) continues
     exactly as if it had not stopped."""
@@ -207,6 +265,19 @@ def test_synchronizer_resumes_exactly_from_its_state_dict():
     # step 5 is fragment 0's send of round 1 (s = 2, tau = 1): in flight at the restart
     resumed = train_replicas(url(), Blocks, data, cfg, total_steps=14, inner_lr=0.05,
                              restart_at={"w0": 5, "w1": 8})
+    for w in ("w0", "w1"):
+        assert plain.traces[w].losses == resumed.traces[w].losses
+        assert torch.equal(_outer(plain, w), _outer(resumed, w))
+
+
+def test_naive_delayed_resumes_exactly_with_a_mean_owed():
+    """Naive delayed restarted while the previous round's mean is owed (merged at
+    step 2, applied at step 6): the resumed worker applies it once, as before."""
+    cfg = SyncConfig(schedule={**EAGER_HP, "mode": "eager", "eager_rule": "naive"},
+                     outer=EAGER_OUTER, codec={"up": "int4", "down": "int8", "block_size": 32})
+    plain = train_replicas(url(), Blocks, data, cfg, total_steps=14, inner_lr=0.05)
+    resumed = train_replicas(url(), Blocks, data, cfg, total_steps=14, inner_lr=0.05,
+                             restart_at={"w0": 3, "w1": 9})
     for w in ("w0", "w1"):
         assert plain.traces[w].losses == resumed.traces[w].losses
         assert torch.equal(_outer(plain, w), _outer(resumed, w))
