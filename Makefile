@@ -19,10 +19,11 @@ local-s3: setup
 	.venv/bin/diloco run --store local-s3
 
 # Two pytest workers, each taking whole test files (a file's servers start once): the
-# suite is CPU-bound, so more workers than cores only slows every test down.
+# suite is CPU-bound, so more workers than cores only slows every test down. Files go
+# out slowest first (tests/conftest.py SLOWEST_FILES), not by their number of tests.
 test: setup
 	.venv/bin/ruff check .
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The tests that build the image and run it in a Docker engine of their own (as root;
 # scripts/docker-engine installs Debian's docker.io where dockerd is missing). Not in
