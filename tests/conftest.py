@@ -129,6 +129,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """``DILOCO_TEST_CPU=FILE``: append one JSON line per test to FILE with its wall
+    seconds and the CPU seconds of the test process and of the children it reaped
+    (servers shared between tests are not counted). A test whose CPU is far below
+    its wall time waits on a clock: where a shorter timeout or poll saves time."""
+    out = os.environ.get("DILOCO_TEST_CPU")
+    if not out:
+        return (yield)
+    import json  # noqa: PLC0415
+    import resource  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    def cpu() -> tuple[float, float]:
+        me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+    (me0, kids0), wall0 = cpu(), time.perf_counter()
+    try:
+        return (yield)
+    finally:
+        (me1, kids1), wall = cpu(), time.perf_counter() - wall0
+        with open(out, "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "wall": round(wall, 3),
+                                "cpu_self": round(me1 - me0, 3),
+                                "cpu_children": round(kids1 - kids0, 3)}) + "\n")
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """One test per backend: ``store_url`` over memory, file and the S3 servers, and
     every test that needs an S3 server (``s3_endpoint``, ``s3_env``, ...) over the
