@@ -2,10 +2,10 @@
 
     python tests/fault_job.py -- --run URL --worker region-a      # as python -m workers
     python tests/fault_job.py -- --run URL --aggregate
-    python tests/fault_job.py --zygote       # forks jobs, imports done (tests/faults.py)
 
 The fault campaign (tests/test_fault_campaign.py) launches this script instead of
-``python -m workers``. It reads its faults from the environment variable
+``python -m workers`` (forked by tests/zygote.py, which runs it as ``__main__``,
+imports done). It reads its faults from the environment variable
 ``DILOCO_FAULTS`` (a JSON list, see `Fault`), wraps the product methods where each
 fault belongs, then calls the real entry point, `workers.__main__.main`, with the
 arguments after ``--``. No product code changes: the wrappers sit around
@@ -312,87 +312,6 @@ def wait_for(faults: list[dict], argv: list[str], timeout: float = 600.0) -> Non
     note(f"{party(argv)} waited for {', '.join(keys)}")
 
 
-def zygote() -> None:
-    """``--zygote``: import what a job imports, then start every job asked for on
-    stdin (one JSON line: argv, env, cwd, log, and optionally err: a log of its own
-    for stderr) as a fork of this process, so that no
-    job pays the imports again (seconds of CPU each: torch, its distributed
-    checkpoint, s3fs). The child takes the job's environment, working directory,
-    session and log, then runs its argv as the interpreter would (``-m workers`` or
-    this script, through runpy: the ``__main__`` blocks run) and exits as it would.
-    This process answers ``started PID`` per job and ``exit PID CODE`` when one ends
-    (CODE negative for a signal, as subprocess says); it ends when stdin closes."""
-    import select
-
-    import s3fs  # noqa: F401 - an S3 run's store
-    import torch._dynamo  # noqa: F401 - imported by the first optimizer made (~1.2 s of CPU)
-    import torch.distributed.checkpoint  # noqa: F401 - a worker's checkpoints
-
-    import workers.__main__  # noqa: F401 - the imports every job makes
-    import workers.loop  # noqa: F401
-    from diloco.aggregator import Aggregator  # noqa: F401
-    from storage.exchange import Exchange  # noqa: F401
-
-    if threading.active_count() != 1:  # a fork copies only this thread
-        raise SystemExit(f"fault_job --zygote: {threading.active_count()} threads after import")
-    pending, children = b"", set()
-    while True:
-        ready = select.select([0], [], [], 0.05)[0]
-        if ready:
-            chunk = os.read(0, 1 << 16)
-            if not chunk:
-                return
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                job = json.loads(line)
-                pid = os.fork()
-                if pid == 0:
-                    _forked(job)  # raises SystemExit: the child never comes back here
-                children.add(pid)
-                os.write(1, f"started {pid}\n".encode())
-        while children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            children.discard(pid)
-            os.write(1, f"exit {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
-
-
-def _forked(job: dict) -> None:
-    """The child of `zygote`: become the job, run it, exit as it exits."""
-    import runpy
-    import warnings
-
-    os.setsid()
-    os.chdir(job["cwd"])
-    os.environ.clear()
-    os.environ.update(job["env"])
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    log = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    err = os.open(job.get("err", job["log"]), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(log, 1)
-    os.dup2(err, 2)
-    for fd in (null, log, err):
-        os.close(fd)
-    argv = job["argv"][1:]  # after the interpreter
-    if argv[0] == "-m":
-        # the zygote imported workers.__main__ already: runpy says so on stderr, where
-        # a fresh interpreter says nothing (a test may read a job's stderr)
-        warnings.filterwarnings("ignore", category=RuntimeWarning,
-                                message=r".* found in sys\.modules after import of package")
-        sys.argv = argv[1:]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = argv
-        runpy.run_path(argv[0], run_name="__main__")
-    raise SystemExit(0)
-
-
 def main() -> int:
     argv = sys.argv[1:]
     if argv and argv[0] == "--":
@@ -407,7 +326,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    if sys.argv[1:] == ["--zygote"]:
-        zygote()
-        sys.exit(0)
     sys.exit(main())

@@ -1,9 +1,10 @@
 """Helpers of the fault campaign (tests/test_fault_campaign.py).
 
 - `Jobs`: the processes of one trial, each with its log file, under one hard
-  deadline. A job (``python -m workers`` or tests/fault_job.py) is a fork of one
-  `Zygote` per test process, which has done the imports every job makes (seconds
-  of CPU a start; ``DILOCO_TEST_ZYGOTE=0``: plain processes). A job killed on purpose (SIGKILL from tests/fault_job.py) is started
+  deadline. A job (``python -m workers`` or tests/fault_job.py) is a fork of the
+  test process's zygote (tests/zygote.py), which has done the imports every job
+  makes (seconds of CPU a start; ``DILOCO_TEST_ZYGOTE=0``: plain processes). A job
+  killed on purpose (SIGKILL from tests/fault_job.py) is started
   again normally; any other non-zero exit, or the deadline, ends the trial with
   the last lines of every log, so a trial never hangs and always says why.
 - `FaultProxy`: an HTTP proxy in front of the S3 test server that fails a share
@@ -18,12 +19,10 @@
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import http.client
 import json
 import os
-import queue
 import random
 import signal
 import socket
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from zygote import Forked, enabled, zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULT_JOB = str(Path(__file__).resolve().parent / "fault_job.py")
@@ -48,89 +48,10 @@ FAULT_JOB = str(Path(__file__).resolve().parent / "fault_job.py")
 # -- processes ---------------------------------------------------------------------
 
 
-class Zygote:
-    """tests/fault_job.py ``--zygote``: a process that has imported what a job
-    imports and forks one per `start` (see `fault_job.zygote`); `start` returns a
-    `Forked`, which a `Job` uses as a `subprocess.Popen`."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, FAULT_JOB, "--zygote"], cwd=ROOT,
-                                     env=env_for(), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        self.exits: dict[int, int] = {}
-        self.started: queue.Queue[int] = queue.Queue()
-        self.lock = threading.Lock()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            kind, pid, *code = line.split()
-            if kind == b"started":
-                self.exits.pop(int(pid), None)  # a pid used again
-                self.started.put(int(pid))
-            elif kind == b"exit":
-                self.exits[int(pid)] = int(code[0])
-        self.started.put(0)  # it ended
-
-    def start(self, argv: list[str], env: dict[str, str], log: Path,
-              err: Path | None = None) -> Forked:
-        """Fork a job: its stdout to ``log``, its stderr there too, or to ``err``."""
-        assert self.proc.stdin is not None
-        job = {"argv": argv, "env": env, "cwd": str(ROOT), "log": str(log)}
-        if err is not None:
-            job["err"] = str(err)
-        with self.lock:
-            self.proc.stdin.write(json.dumps(job).encode() + b"\n")
-            self.proc.stdin.flush()
-            pid = self.started.get(timeout=120)
-        if not pid:
-            raise RuntimeError("the fault_job.py --zygote process ended")
-        return Forked(self, pid)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            with suppress(OSError):
-                self.proc.stdin.close()
-            self.proc.wait(timeout=30)
-
-
-class Forked:
-    """A job forked by the `Zygote`: the part of `subprocess.Popen` a `Job` uses."""
-
-    def __init__(self, zygote: Zygote, pid: int):
-        self.zygote, self.pid, self.returncode = zygote, pid, None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self.zygote.exits.get(self.pid)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        end = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if end is not None and time.monotonic() > end:
-                raise subprocess.TimeoutExpired(str(self.pid), timeout)
-            time.sleep(0.02)
-        return self.returncode
-
-
-_zygote: Zygote | None = None
-
-
-def zygote() -> Zygote:
-    """The test process's `Zygote`, started on first use (and again if it died)."""
-    global _zygote
-    if _zygote is None or _zygote.proc.poll() is not None:
-        _zygote = Zygote()
-        atexit.register(_zygote.stop)
-    return _zygote
-
-
 def forkable(argv: list[str]) -> bool:
-    """Whether the `Zygote` can start ``argv``: ``python -m workers`` or
-    tests/fault_job.py, unless DILOCO_TEST_ZYGOTE=0."""
-    if os.environ.get("DILOCO_TEST_ZYGOTE", "1") == "0" or argv[0] != sys.executable:
+    """Whether a job runs ``argv`` as a fork of the zygote (tests/zygote.py):
+    ``python -m workers`` or tests/fault_job.py, unless DILOCO_TEST_ZYGOTE=0."""
+    if not enabled() or argv[0] != sys.executable:
         return False
     return argv[1:3] == ["-m", "workers"] or (argv[1] == FAULT_JOB and argv[2] == "--")
 

@@ -4,16 +4,16 @@ exit status (no rank left waiting in a collective), and a restart resumes from i
 Rank 0 alone prints the worker's result line.
 
 An island's ranks are ``python -m workers`` processes with torchrun's environment;
-here they are forked from a `Zygote`, one process per module that has imported torch
-and the worker once (each rank is still a process of its own, with its own pid,
-signals, stdout and exit status), so that a rank does not pay torch's start-up. The
-SIGTERM to torchrun test starts torchrun and its ranks as a user does."""
+here they are forked from the zygote of tests/zygote.py, one process per test process
+that has imported torch and the worker once (each rank is still a process of its own,
+with its own pid, session, signals, stdout and exit status), so that a rank does not
+pay torch's start-up. The SIGTERM to torchrun test starts torchrun and its ranks as a
+user does."""
 
 from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 from test_distributed import MICRO, ROOT, TORCHRUN, free_port
+from zygote import Forked, Zygote
+from zygote import zygote as the_zygote
 
 from diloco.aggregator import Aggregator
 from diloco.run import open_run
@@ -66,124 +68,10 @@ def running_run(tmp_path: Path, data_url: str, steps: int, *extra: str):
         t.join(60)
 
 
-# The zygote: imports what a rank of `python -m workers` imports, then forks one child
-# per request (a JSON line on stdin: environment, arguments, stdout and stderr files),
-# answers its pid, and reports every child's exit status when it ends. Nothing has run
-# a thread in it when it forks.
-_ZYGOTE = r"""
-import json, os, signal, sys, traceback
-import torch, torch.distributed, torch.distributed.checkpoint
-from torch.distributed.fsdp import fully_shard
-import diloco.run, storage.backends, storage.reach, workers.island, workers.loop
-from workers.__main__ import main
-from workers.group_exit import leave
-
-def reap(*_):
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        os.write(1, f"exit {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
-
-signal.signal(signal.SIGCHLD, reap)
-os.write(1, b"ready\n")
-for line in sys.stdin:
-    job = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            os.environ.clear()
-            os.environ.update(job["env"])
-            for fd, path in ((1, job["out"]), (2, job["err"])):
-                f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.dup2(f, fd)
-                os.close(f)
-            sys.stdin.close()
-            sys.argv = ["workers", *job["args"]]
-            leave(main(job["args"]))  # as workers/__main__.py ends
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    os.write(1, f"pid {pid}\n".encode())
-"""
-
-
-class Forked:
-    """A rank forked by the `Zygote`: the part of `subprocess.Popen` the tests use."""
-
-    def __init__(self, zygote: Zygote, pid: int):
-        self.zygote, self.pid = zygote, pid
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def poll(self) -> int | None:
-        return self.zygote.codes.get(self.pid)
-
-    def wait(self, timeout: float | None = None) -> int:
-        with self.zygote.ended:
-            if not self.zygote.ended.wait_for(lambda: self.pid in self.zygote.codes, timeout):
-                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
-            return self.zygote.codes[self.pid]
-
-
-class Zygote:
-    """One process that has imported torch and the worker, forking the ranks."""
-
-    def __init__(self):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _ZYGOTE], cwd=ROOT, text=True, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                         "PYTHONUNBUFFERED": "1"})
-        self.codes: dict[int, int] = {}
-        self.ended = threading.Condition()
-        self.pids: queue.Queue[int] = queue.Queue()
-        first = self.proc.stdout.readline()
-        assert first == "ready\n", first
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            kind, pid, *code = line.split()
-            if kind == "pid":
-                self.pids.put(int(pid))
-            else:
-                with self.ended:
-                    self.codes[int(pid)] = int(code[0])
-                    self.ended.notify_all()
-
-    def fork(self, env: dict[str, str], args: list[str], out: Path, err: Path) -> Forked:
-        self.proc.stdin.write(json.dumps({"env": env, "args": args, "out": str(out),
-                                          "err": str(err)}) + "\n")
-        self.proc.stdin.flush()
-        return Forked(self, self.pids.get(timeout=60))
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(60)
-        self.reader.join(10)
-
-
 @pytest.fixture(scope="module")
-def zygote():
-    z = Zygote()
-    yield z
-    z.close()
+def zygote() -> Zygote:
+    """The test process's zygote (tests/zygote.py), shared with the fault trials."""
+    return the_zygote()
 
 
 def start_ranks(url: str, logs: Path, zygote: Zygote | None = None
@@ -199,7 +87,8 @@ def start_ranks(url: str, logs: Path, zygote: Zygote | None = None
         args = ["--run", url, "--worker", "solo"]
         if zygote is not None:
             env["PYTHONUNBUFFERED"] = "1"  # as workers/__main__.py sets it
-            procs.append(zygote.fork(env, args, logs / f"out{rank}", logs / f"err{rank}"))
+            procs.append(zygote.start([sys.executable, "-m", "workers", *args], env,
+                                      logs / f"out{rank}", logs / f"err{rank}"))
             continue
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "workers", *args], cwd=ROOT,
