@@ -6,22 +6,111 @@ and peak RSS is in the table; the stage clock's bookkeeping."""
 
 from __future__ import annotations
 
+import io
 import json
+import multiprocessing
+import os
+import pickle
 import sys
+from collections.abc import Iterator
+from contextlib import redirect_stdout
 from pathlib import Path
+
+import pytest
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from forkhost import ForkHost, fork_call  # noqa: E402
+
 from benchmarks import bench_scale, run_all, stages  # noqa: E402
 from diloco.arithmetic import split_sizes  # noqa: E402
 
+# -- the benchmark's child processes, forked ---------------------------------------------
+# `diloco bench scale` runs every party of the round (`python -m benchmarks.bench_scale
+# --party`), each shard of the reduce (multiprocessing, spawn) and each recipe size
+# (`python -m benchmarks.scale_recipes`) in a fresh interpreter, whose start and
+# imports (numpy, the store; torch for the last two) were most of this file's CPU.
+# Here `main` runs in a process forked from a host that imported them once
+# (tests/forkhost.py), and those children are forked from it: each is still a process
+# of its own, with its own peak RSS and CPU clock, and runs the same function. One
+# party and one recipe size still start as the benchmark starts them, so that its
+# command lines stay tested, and the shards' target is checked to pickle as spawn
+# needs.
 
-def test_scale_round_at_1e6_on_local_disk(tmp_path):
-    code = bench_scale.main(["--sizes", "1b", "--params", "1e6", "--backends", "file",
-                             "--shards", "1,2",
-                             "--reduce-log2n", "14", "--results-dir", str(tmp_path)])
+#: what the forked children import: the test module (so its functions unpickle) and
+#: the benchmark's children's modules
+PRELOAD = ("test_bench_scale", "benchmarks.bench_shards", "benchmarks.scale_recipes",
+           "benchmarks.contenders", "benchmarks.recipe", "benchmarks.timed_worker",
+           "diloco.aggregator", "diloco.run", "diloco.shards", "storage.exchange",
+           "storage.spec", "workers.config", "workers.runs", "workers.model")
+
+
+@pytest.fixture(scope="module")
+def host() -> Iterator[ForkHost]:
+    with ForkHost(*PRELOAD) as started:
+        yield started
+
+
+def _party(role: str, url: str, options: dict, env: dict[str, str]) -> dict:
+    """What `python -m benchmarks.bench_scale --party` does (bench_scale._child)."""
+    os.environ.update(env)
+    return json.loads(json.dumps(bench_scale.party(role, url, options)))
+
+
+def _recipe_row(size: str, argv: list[str]) -> dict:
+    """What `python -m benchmarks.scale_recipes` does (scale_recipes.child): its row."""
+    from benchmarks import scale_recipes  # noqa: PLC0415
+
+    os.chdir(ROOT)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert scale_recipes.main([size, *argv]) == 0
+    return json.loads(out.getvalue().splitlines()[-1])
+
+
+class _ForkingMultiprocessing:
+    """bench_shards' ``mp``: its shard processes forked (from a forked process that ran
+    nothing but imports) instead of spawned."""
+
+    @staticmethod
+    def get_context(method: str):
+        assert method == "spawn"
+        return multiprocessing.get_context("fork")
+
+
+def forked_main(argv: list[str], real_party: str = "", real_size: str = "") -> int:
+    """`bench_scale.main` with its children forked (see above), in a forked process:
+    ``real_party`` and ``real_size`` still start as the benchmark starts them."""
+    from benchmarks import bench_shards, scale_recipes  # noqa: PLC0415
+
+    real_child, real_recipe = bench_scale._child, scale_recipes.child
+
+    def child(role, url, options, env):
+        if role == real_party:
+            return real_child(role, url, options, env)
+        row = fork_call(_party, role, url, options, env)
+        print(json.dumps(row), flush=True)
+        return row
+
+    def recipe(size, argv):
+        return real_recipe(size, argv) if size == real_size else fork_call(
+            _recipe_row, size, argv)
+
+    bench_scale._child, scale_recipes.child = child, recipe
+    bench_shards.mp = _ForkingMultiprocessing
+    return bench_scale.main(argv)
+
+
+def test_scale_round_at_1e6_on_local_disk(tmp_path, host):
+    from benchmarks import bench_shards  # noqa: PLC0415
+
+    # what spawning the shards needs of their target (here they are forked)
+    assert pickle.loads(pickle.dumps(bench_shards._shard)) is bench_shards._shard
+    code = host.call(forked_main, [
+        "--sizes", "1b", "--params", "1e6", "--backends", "file", "--shards", "1,2",
+        "--reduce-log2n", "14", "--results-dir", str(tmp_path)], real_party="fetch")
     assert code == 0
     report = json.loads((tmp_path / "scale.json").read_text())
     (row,) = report["rounds"]
@@ -42,12 +131,12 @@ def test_scale_round_at_1e6_on_local_disk(tmp_path):
     assert "| completed | True |" in md and "| aggregator |" in md and "a model" in md
 
 
-def test_peers_round_reads_the_other_contributions(tmp_path):
+def test_peers_round_reads_the_other_contributions(tmp_path, host):
     """topk2 with mean_from peers: no mean payload; w0 sums the contributions and gets
     the bits the aggregator's weights give."""
-    code = bench_scale.main(["--sizes", "1b", "--params", "2e5", "--fragments", "2",
-                             "--backends", "file",
-                             "--peers", "--shards", "", "--results-dir", str(tmp_path)])
+    code = host.call(forked_main, ["--sizes", "1b", "--params", "2e5", "--fragments", "2",
+                                   "--backends", "file", "--peers", "--shards", "",
+                                   "--results-dir", str(tmp_path)])
     assert code == 0
     (row,) = json.loads((tmp_path / "scale.json").read_text())["rounds"]
     assert row["completed"] and row["mean_from"] == "peers" and row["up"] == "topk2"
@@ -71,12 +160,15 @@ def test_diloco_bench_scale_is_wired():
 TINY = "model.overrides={d_model: 32, n_layers: 6, n_heads: 2}"
 
 
-def test_recipe_sizes_run_for_real(tmp_path):
+def test_recipe_sizes_run_for_real(tmp_path, host):
     """small and 150m (P = 4 and 6) with a tiny model: H = P x 2, H + 2 steps, so
-    fragment 0 has two scheduled rounds and every fragment a final one."""
-    code = bench_scale.main(["--sizes", "small,150m", "--stride", "2", "--recipe-seq-len",
-                             "32", "--recipe-batch-size", "2", "--recipe-set", TINY,
-                             "--results-dir", str(tmp_path)])
+    fragment 0 has two scheduled rounds and every fragment a final one. (small's run
+    starts as `python -m benchmarks.scale_recipes`, 150m's is forked; the workers of
+    both are `benchmarks.timed_worker` processes.)"""
+    code = host.call(forked_main, [
+        "--sizes", "small,150m", "--stride", "2", "--recipe-seq-len", "32",
+        "--recipe-batch-size", "2", "--recipe-set", TINY, "--results-dir", str(tmp_path)],
+        real_size="small")
     assert code == 0
     report = json.loads((tmp_path / "scale.json").read_text())
     assert not report["rounds"] and not report["reduce"]  # 1b not asked for
