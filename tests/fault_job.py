@@ -16,7 +16,9 @@ hook, which the product calls after "published", "stepped" and "checkpointed".
 Kills are SIGKILL sent to this very process: no ``finally``, no checkpoint, no
 flush, exactly what a machine that loses power does. Before dying (or after
 planting) the script appends one line to the file named by ``DILOCO_FAULT_LOG``,
-so a test knows the fault really fired and never passes vacuously.
+so a test knows the fault really fired and never passes vacuously. Each fault
+fires once; with ``DILOCO_FAULT_FIRED`` (a file) once across the restarts of the
+job, so that one job can carry several kills (see `first_time`).
 
 A fault is a dict::
 
@@ -72,6 +74,7 @@ if str(ROOT) not in sys.path:  # run as a script: the repository is not on the p
 
 FAULTS_ENV = "DILOCO_FAULTS"
 FAULT_LOG_ENV = "DILOCO_FAULT_LOG"
+FIRED_ENV = "DILOCO_FAULT_FIRED"
 
 WORKER_KILLS = ("before-commit", "after-commit", "after-publish")
 KEY_KILLS = ("before-put", "after-put", "after-get")
@@ -102,11 +105,27 @@ def die(text: str) -> None:
 
 def first_time(index: int) -> bool:
     """True the first time fault ``index`` matches (a retried call must not plant
-    or die twice)."""
+    or die twice); with ``DILOCO_FAULT_FIRED`` (a file of this job's own) the first
+    time across its restarts, so that a job killed by one fault can be started again
+    with the same list and meet the next one (the file is written before the fault
+    acts: the next thing may be SIGKILL)."""
     with _lock:
         if index in _fired:
             return False
         _fired.add(index)
+        path = os.environ.get(FIRED_ENV)
+        if not path:
+            return True
+        try:
+            with open(path) as done:
+                if str(index) in done.read().split():
+                    return False
+        except FileNotFoundError:
+            pass
+        with open(path, "a") as out:
+            out.write(f"{index}\n")
+            out.flush()
+            os.fsync(out.fileno())
         return True
 
 

@@ -96,6 +96,10 @@ class Job:
             self.proc.wait(timeout=10)
 
 
+#: how a killed job is started again: its argv and env
+Restart = tuple[list[str], dict[str, str]]
+
+
 class TrialFailed(AssertionError):
     """A trial ended badly: a job failed, or the deadline passed ("hung")."""
 
@@ -138,13 +142,15 @@ class Jobs:
         self.kill_all()
         raise TrialFailed(self.report(why))
 
-    def wait(self, restart: dict[str, tuple[list[str], dict[str, str]]] | None = None,
+    def wait(self, restart: dict[str, Restart | list[Restart]] | None = None,
              poll_s: float = 0.1) -> None:
         """Wait until every job has exited 0. A job in ``restart`` that dies of
         SIGKILL (the planned fault) is started again once with the given argv and
-        env (the plain entry point, no faults); any other non-zero exit fails the
-        trial at once, and so does the deadline ("hung")."""
-        restart = dict(restart or {})
+        env (the plain entry point, no faults), or, given a list, once per item, in
+        order (a job with several kills); any other non-zero exit fails the trial at
+        once, and so does the deadline ("hung")."""
+        plans = {name: list(r) if isinstance(r, list) else [r]
+                 for name, r in (restart or {}).items()}
         while True:
             running = False
             for job in self.jobs.values():
@@ -157,8 +163,8 @@ class Jobs:
                     job.proc = None
                 else:
                     continue
-                if code == -signal.SIGKILL and job.name in restart:
-                    job.start(*restart.pop(job.name))
+                if code == -signal.SIGKILL and plans.get(job.name):
+                    job.start(*plans[job.name].pop(0))
                     running = True
                 elif code != 0:
                     self.fail(f"{job.name} exited with status {code}")

@@ -2,15 +2,17 @@
 
 Every trial runs the aggregator and two workers as processes on one micro config
 (2 workers, P = 2, H = 4, tau = 1, 16 steps: 5 rounds per fragment, int4 up and
-int8 down with error feedback both ways) and injects one fault:
+int8 down with error feedback both ways) and injects faults:
 
 - kill (SIGKILL) a worker or the aggregator at a publish boundary, restart it
   normally, and require the canonical state of an uninterrupted run of the same
-  config, bit for bit, with every round applied exactly once;
+  config, bit for bit, with every round applied exactly once (one run with a
+  kill at each boundary, each at a round of its own);
 - plant a bad contribution (flipped byte, NaN, wrong shape, a replayed record, a
   1e30 value sent through the public API) in the slot of the worker that is then
   killed and restarted (it must re-read its own delta), or in the other worker's
-  slot: the run must finish with the rejection recorded and a finite, sane model;
+  slot: the run must finish with the rejection recorded and a finite, sane model
+  (a run per kind, its two cases at rounds of their own);
 - put a proxy failing 30% of the requests (503, connection resets) between the
   jobs and the S3 test server: same canonical state as without it;
 - SIGKILL ``diloco run`` during start-up, then ``diloco resume``: same state.
@@ -72,7 +74,7 @@ MICRO = [
     "sync.membership.deadline_s=30", "sync.membership.absent_deadline_s=30", "sync.liveness.poll_max_s=0.1",
     "sync.membership.quorum=1.0",
 ]
-#: for runs whose workers are never killed (the reference, the aggregator's kills): a
+#: for runs whose workers are never killed (the reference): a
 #: worker's periodic checkpoint (a torch distributed checkpoint every 4 steps, most of
 #: its CPU) is read only by a worker started again, and leaves the run's numbers as
 #: they are: a worker killed in a run with them must still give the reference, bit for bit
@@ -92,23 +94,31 @@ def overrides(data_url: str, extra: list[str] | None = None) -> list[str]:
 
 
 def run_jobs(run_url: str, logs: Path, faults: dict[str, list[dict]] | None = None,
-             *, env: dict[str, str] | None = None) -> list[str]:
+             *, env: dict[str, str] | None = None, timeout: float = TRIAL_TIMEOUT
+             ) -> list[str]:
     """Run the aggregator and the workers of ``run_url`` to the end under the
     trial deadline. A process with faults runs tests/fault_job.py; when a fault
-    kills it, it is started again as plain ``python -m workers``. Returns the
-    lines of the faults that fired."""
+    kills it, it is started again: as plain ``python -m workers`` after its last
+    kill when it has only kills, else through tests/fault_job.py with the same
+    faults (one that fired never fires again: ``DILOCO_FAULT_FIRED``). Returns
+    the lines of the faults that fired."""
     faults = faults or {}
     fault_log = logs / "faults.log"
     restart = {}
-    with Jobs(logs, TRIAL_TIMEOUT) as jobs:
+    with Jobs(logs, timeout) as jobs:
         for name in ("aggregator", *WORKERS):
             plain = env_for(**(env or {}))
             mine = faults.get(name)
             if mine:
                 faulty = {**plain, "DILOCO_FAULTS": json.dumps(mine),
-                          "DILOCO_FAULT_LOG": str(fault_log)}
-                jobs.start(name, job_argv(run_url, name, faulty=True), faulty)
-                restart[name] = (job_argv(run_url, name, faulty=False), plain)
+                          "DILOCO_FAULT_LOG": str(fault_log),
+                          "DILOCO_FAULT_FIRED": str(logs / f"{name}.fired")}
+                argv = job_argv(run_url, name, faulty=True)
+                jobs.start(name, argv, faulty)
+                kills = sum(f["action"] == "kill" for f in mine)
+                restart[name] = [(argv, faulty)] * kills
+                if kills == len(mine):  # nothing left after its last kill: plain
+                    restart[name][-1] = (job_argv(run_url, name, faulty=False), plain)
             else:
                 jobs.start(name, job_argv(run_url, name, faulty=False), plain)
         jobs.wait(restart)
@@ -131,90 +141,158 @@ def reference(data_url, tmp_path_factory):
     return snapshot(url), canonical_eval(url)
 
 
-def assert_same_as(reference_snapshot, url: str, storage_options: dict | None = None) -> None:
+def problems_against(reference_snapshot, url: str,
+                     storage_options: dict | None = None) -> list[str]:
+    """How the run at ``url`` differs from the reference, bit for bit, and where a
+    round was not applied exactly once; [] when it is the reference."""
     got = snapshot(url, storage_options)
     problems = differences(got, reference_snapshot) + applied_once(got)
     if got.rejected:
         problems.append(f"rejections in a run without bad payloads: {got.rejected}")
+    return problems
+
+
+def assert_same_as(reference_snapshot, url: str, storage_options: dict | None = None) -> None:
+    problems = problems_against(reference_snapshot, url, storage_options)
     assert not problems, "\n".join(problems)
 
 
 # -- kills at every publish boundary ---------------------------------------------------
 
+#: (who, boundary, fragment, round), all in one run (`kill_run`), each at a round of
+#: its own: every kill is followed by a restart that must give the reference, so one
+#: kill handled wrongly (a round applied twice or skipped, a state lost) makes the
+#: run differ from it, whatever the others did
 KILLS = [
-    # (who, boundary, fragment, round)
+    ("aggregator", "before-mean-commit", 0, 1),  # mean payload written, no mean.json
     ("region-a", "before-commit", 1, 1),     # delta uploaded, its record not created
-    ("region-a", "after-commit", 1, 1),      # record created, nothing after it
-    ("aggregator", "before-mean-commit", 0, 2),  # mean payload written, no mean.json
     ("aggregator", "published", 0, 2),       # mean.json committed, not stepped
-    ("aggregator", "stepped", 0, 2),         # stepped, no canonical checkpoint
-    ("aggregator", "checkpointed", 0, 2),    # checkpoint committed, round not counted
+    ("region-b", "after-commit", 1, 2),      # record created, nothing after it
+    ("aggregator", "stepped", 0, 3),         # stepped, no canonical checkpoint
+    ("aggregator", "checkpointed", 1, 3),    # checkpoint committed, round not counted
 ]
+
+
+@pytest.fixture(scope="module")
+def kill_run(data_url, reference, tmp_path_factory):
+    """The run with every kill of `KILLS` (worker checkpoints on: a killed worker
+    resumes from one), each killed job restarted: the lines of the faults that fired
+    and how the run differs from the reference."""
+    tmp = tmp_path_factory.mktemp("kills")
+    url = new_run(data_url, str(tmp / "run"))
+    faults: dict[str, list[dict]] = {}
+    for who, boundary, fragment, rnd in KILLS:
+        faults.setdefault(who, []).append(
+            {"action": "kill", "at": boundary, "fragment": fragment, "round": rnd})
+    lines = run_jobs(url, tmp / "logs", faults, timeout=2 * TRIAL_TIMEOUT)
+    return lines, problems_against(reference[0], url)
 
 
 @pytest.mark.parametrize("who, boundary, fragment, rnd", KILLS,
                          ids=[f"{'worker' if w in WORKERS else w}-{b}" for w, b, _, _ in KILLS])
-def test_kill_at_boundary(who, boundary, fragment, rnd, data_url, reference, tmp_path):
+def test_kill_at_boundary(who, boundary, fragment, rnd, kill_run):
     """SIGKILL at the boundary, a plain restart: the canonical state of the
     uninterrupted run, bit for bit, each round applied once."""
-    url = new_run(data_url, str(tmp_path / "run"),
-                  extra=None if who in WORKERS else [NO_WORKER_CHECKPOINTS])
-    fault = {"action": "kill", "at": boundary, "fragment": fragment, "round": rnd}
-    lines = run_jobs(url, tmp_path / "logs", {who: [fault]})
-    assert any(f"killed at {boundary} {fragment} {rnd}" in line for line in lines), lines
-    assert_same_as(reference[0], url)
+    lines, problems = kill_run
+    assert any(f"{who} killed at {boundary} {fragment} {rnd}" in line for line in lines), lines
+    assert not problems, "\n".join(problems)
 
 
 # -- bad payloads ----------------------------------------------------------------------
 
 PLANTS = ["flip", "nan", "shape", "replay", "huge"]
-#: the round each kind is planted in: a replay copies round 0's record to round 1;
-#: a huge value needs the norm guard's history (sync.guard.warmup = 2 rounds)
-PLANT_ROUND = {"replay": 1}
-PLANT_FRAGMENT = 1
+
+#: (kind, slot) -> (the worker killed after its send, fragment, round). ``own``: the
+#: kind is planted in the killed worker's slot, ``other``: in the other worker's,
+#: ``both``: in both slots, which leaves a round with no usable contribution. The two
+#: cases of a kind share a run (`payload_runs`), each at a round of its own and with a
+#: worker of its own killed: a case's checks read only its round, and the run's
+#: (finite, sane, each round applied once) would fail for either case that broke
+#: them. One kill per worker and run: a worker killed again and again, its rounds
+#: planted, is never waited for and falls behind until the run ends without it (its
+#: restart exits 2, RunFinished: seen). Nothing at round (1, 3), the last but one, for
+#: the same reason. A replay copies round r-1's record to round r; a huge value needs
+#: the norm guard's history (sync.guard.warmup = 2 rounds).
+PAYLOADS = {
+    **{(kind, "own"): ("region-a", 1, 1 if kind == "replay" else 2) for kind in PLANTS},
+    **{(kind, "other"): ("region-b", 0, 3) for kind in PLANTS},
+    ("nan", "both"): ("region-a", 1, 2),
+}
+CASES = list(PAYLOADS)
 
 
-#: every kind in region-a's own slot and in the other worker's; one kind in both
-#: slots, which leaves a round with no usable contribution
-CASES = [(k, slot) for k in PLANTS for slot in ("own", "other")] + [("nan", "both")]
-VICTIMS = {"own": ["region-a"], "other": ["region-b"], "both": list(WORKERS)}
+def victims(kind: str, slot: str) -> list[str]:
+    """The workers whose slot holds the bad contribution of case (kind, slot)."""
+    killed = PAYLOADS[(kind, slot)][0]
+    return {"own": [killed], "other": [w for w in WORKERS if w != killed],
+            "both": list(WORKERS)}[slot]
+
+
+def run_of(kind: str, slot: str) -> str:
+    return "nan-both" if slot == "both" else kind
+
+
+@pytest.fixture(scope="module")
+def payload_runs(data_url, tmp_path_factory):
+    """``run(name)``: the run of the cases of `run_of` ``name`` in `PAYLOADS`, made
+    on first use: its url, the lines of the faults that fired, its snapshot and its
+    canonical eval loss (or the error it ended with, raised again)."""
+    made: dict[str, tuple | BaseException] = {}
+
+    def run(name: str) -> tuple:
+        if name not in made:
+            tmp = tmp_path_factory.mktemp(f"payloads-{name}")
+            faults: dict[str, list[dict]] = {}
+            for (kind, slot), (killed, fragment, rnd) in PAYLOADS.items():
+                if run_of(kind, slot) != name:
+                    continue
+                where = {"fragment": fragment, "round": rnd}
+                for victim in victims(kind, slot):
+                    faults.setdefault(victim, []).append(
+                        {"action": "plant", "kind": kind, **where})
+                faults.setdefault(killed, []).append(
+                    {"action": "kill", "at": "after-publish", **where})
+            try:
+                url = new_run(data_url, str(tmp / "run"))
+                lines = run_jobs(url, tmp / "logs", faults, timeout=2 * TRIAL_TIMEOUT)
+                made[name] = (url, lines, snapshot(url), canonical_eval(url))
+            except BaseException as exc:  # every case of the run fails with it
+                made[name] = exc
+        if isinstance(made[name], BaseException):
+            raise made[name]
+        return made[name]
+
+    return run
 
 
 @pytest.mark.parametrize("kind, slot", CASES, ids=[f"{k}-{slot}" for k, slot in CASES])
-def test_bad_payload(kind, slot, data_url, reference, tmp_path):
-    """A bad contribution in region-a's slot (``own``: region-a is then killed
-    and restarted, and must re-read it), in region-b's (``other``: region-a is
-    killed all the same and must not care), or in both (the round has no usable
-    contribution and must not be a step): rejected and recorded, the run
-    finishes (every job exits 0), the canonical model is finite and sane."""
-    rnd = PLANT_ROUND.get(kind, 2)
-    where = {"fragment": PLANT_FRAGMENT, "round": rnd}
-    faults = {"region-a": [{"action": "kill", "at": "after-publish", **where}]}
-    for victim in VICTIMS[slot]:
-        faults.setdefault(victim, []).insert(0, {"action": "plant", "kind": kind, **where})
-    url = new_run(data_url, str(tmp_path / "run"))
-    lines = run_jobs(url, tmp_path / "logs", faults)
-    assert any("region-a killed at after-publish" in line for line in lines), lines
-
-    got = snapshot(url)
-    key = (PLANT_FRAGMENT, rnd)
-    for victim in VICTIMS[slot]:
-        assert any(f"{victim} planted {kind}" in line for line in lines), lines
+def test_bad_payload(kind, slot, payload_runs, reference):
+    """A bad contribution in the slot of the worker then killed and restarted
+    (``own``: it must re-read it), in the other worker's (``other``: the killed
+    one must not care), or in both (the round has no usable contribution and must
+    not be a step): rejected and recorded, the run finishes (every job exits 0),
+    the canonical model is finite and sane."""
+    url, lines, got, loss = payload_runs(run_of(kind, slot))
+    killed, fragment, rnd = PAYLOADS[(kind, slot)]
+    key = (fragment, rnd)
+    where = f"{key[0]} {key[1]}"
+    assert any(f"{killed} killed at after-publish {where}" in line for line in lines), lines
+    for victim in victims(kind, slot):
+        assert any(f"{victim} planted {kind} {where}" in line for line in lines), lines
         assert victim in got.rejected.get(key, {}), (
             f"no rejection of {victim} recorded under frag/{key[0]}/r{key[1]:06d}/rejected/;"
             f" rejections: {got.rejected}")
         assert victim not in got.weights[key], f"a bad contribution was used: {got.weights[key]}"
     assert not applied_once(got), applied_once(got)
     if slot == "both":
-        before, after = round_arrays(url, PLANT_FRAGMENT, rnd - 1), round_arrays(url, *key)
+        before, after = round_arrays(url, key[0], key[1] - 1), round_arrays(url, *key)
         for name in ("params", "momentum"):
             assert after[name].tobytes() == before[name].tobytes(), (
-                f"round {rnd} had no usable contribution but the canonical {name} moved")
+                f"round {key[1]} had no usable contribution but the canonical {name} moved")
     for p, arrays in got.final.items():
         for name, value in arrays.items():
             assert value.size and bool((abs(value) < 1e3).all()), (
                 f"fragment {p} {name}: not finite or exploded (max |x| = {abs(value).max()})")
-    loss = canonical_eval(url)
     ref_loss = reference[1]
     assert math.isfinite(loss) and loss < ref_loss + 0.5, (
         f"canonical eval loss {loss:.3f}, the reference reaches {ref_loss:.3f}")
