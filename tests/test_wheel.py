@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from cli_runs import ROOT, SHORT
+from prefect_home import prefect_home
 
 pytestmark = pytest.mark.slow
 
@@ -98,9 +99,16 @@ print(json.dumps({"modules": [p for m in (cli, diloco, flows, infra, storage, tr
 def test_diloco_run_tiny_from_an_unrelated_directory(venv, tmp_path):
     """The README's main command, shortened, as a user of the installed package runs
     it: the run finishes, its config is the shipped tiny recipe, and the store,
-    the jobs' logs and MLflow's database are under the user's directory."""
+    the jobs' logs and MLflow's database are under the user's directory.
+
+    Prefect's temporary server starts (from the wheel's flows/server.py) on a home
+    whose database is made already (tests/prefect_home.py, once per test process,
+    which most files' runs share): 4.5 s of CPU for the server instead of 11 s that
+    create and migrate the database; a first run on an empty home is
+    tests/test_cli.py's main command."""
     user = tmp_path / "somewhere" / "else"
     user.mkdir(parents=True)
+    prefect_home(tmp_path / "prefect-home")  # the PREFECT_HOME of _user_env
     out = subprocess.run([str(venv / "bin" / "diloco"), "run", "tiny", *SHORT], cwd=user,
                          env=_user_env(tmp_path), text=True, capture_output=True, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
