@@ -35,6 +35,7 @@ from cli.model import export, sample
 from cli.run import resume, run
 from cli.status import cancel, status
 from cli.store import store_app
+from tracking.exit_threads import record_threads_at_exit
 
 HELP = """Train one language model across regions with Streaming DiLoCo.
 
@@ -58,6 +59,9 @@ HELP = """Train one language model across regions with Streaming DiLoCo.
 Errors you can act on print one line and exit with status 2 (nothing is launched);
 a failed run exits 1, a cancelled one 3, Ctrl-C 130.
 """
+
+# with DILOCO_THREADS_AT_EXIT set (tests): the threads alive at the command's very end
+record_threads_at_exit()  # (the first atexit hook of the command: the last to run)
 
 app = typer.Typer(
     name="diloco", help=HELP, no_args_is_help=True, add_completion=False,

@@ -28,6 +28,7 @@ from rich.text import Text
 from cli.figures import loss_cell, state_cell
 from storage.exchange import Exchange
 from storage.traffic import human_bytes
+from tracking.exit_threads import join_before_exit
 from workers.report import snapshot
 
 #: The widest and narrowest progress bar (the bar gives way to the text).
@@ -70,6 +71,7 @@ class _Polling:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        join_before_exit(self._thread)  # a slow last read: before the interpreter ends
         with contextlib.suppress(Exception):  # the run may not exist (an error before it)
             self.refresh()  # type: ignore[attr-defined]
         self._stopped()

@@ -49,6 +49,7 @@ from flows.jobs import (
 from storage import layout
 from storage.objectstore import ObjectStore
 from storage.reach import JOB_START_PATIENCE_S, REACH_POLICY
+from tracking.exit_threads import record_threads_at_exit
 from tracking.hooks import Hooks
 from workers.memory import fixed_mmap_threshold
 from workers.report import TRAFFIC_KEYS, Participation, party_meter
@@ -384,6 +385,7 @@ def run_shard_job(run_url: str, storage_options: dict | None = None, *, shard: i
 
 
 def main(argv: list[str] | None = None) -> int:
+    record_threads_at_exit()  # with DILOCO_THREADS_AT_EXIT set (tests)
     p = argparse.ArgumentParser(prog="python -m flows.aggregator", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="the run's URL")

@@ -47,6 +47,7 @@ from flows.jobs import (
 )
 from storage.objectstore import ObjectStore
 from storage.reach import JOB_START_PATIENCE_S, REACH_POLICY
+from tracking.exit_threads import record_threads_at_exit
 from tracking.hooks import Hooks
 from workers.status import read_status
 
@@ -354,6 +355,7 @@ def exit_if_stuck(stop: threading.Event, grace: float, name: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Storage options come from ``DILOCO_STORAGE_OPTIONS`` (JSON), never argv."""
     args = parser().parse_args(argv)
+    record_threads_at_exit()  # with DILOCO_THREADS_AT_EXIT set (tests)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     if args.exit_with_parent and launcher_gone():

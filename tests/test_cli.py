@@ -30,8 +30,20 @@ def diloco(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300
 def main_run(tmp_path_factory):
     """`diloco run` with the tiny recipe shortened: what it printed and where."""
     cwd = tmp_path_factory.mktemp("user")
-    out = diloco(["run", *SHORT], cwd, clean_env(cwd, fresh_prefect=True))  # a first run
+    env = clean_env(cwd, fresh_prefect=True, DILOCO_THREADS_AT_EXIT=str(cwd / "threads"))
+    out = diloco(["run", *SHORT], cwd, env)  # a first run
     return cwd, out
+
+
+def busy_threads(record: Path) -> list[dict]:
+    """The threads a process left alive at its exit (tracking/exit_threads.py) that
+    were in code of this project, torch, matplotlib or MLflow: a thread in native code
+    when the interpreter finalizes aborts the process."""
+    root = str(Path(__file__).resolve().parent.parent)
+    ours = ("/torch/", "/matplotlib/", "/mlflow/")
+    return [t for t in json.loads(record.read_text())["threads"]
+            if any(any(o in frame for o in ours) or (frame.startswith(root + "/")
+                   and ".venv" not in frame) for frame in t["stack"])]
 
 
 @pytest.mark.slow
@@ -82,6 +94,18 @@ def test_main_command(main_run):
         "aggregator", "region-a", "region-b"}
     assert all(job["exit"] == 0 for job in launcher["jobs"].values())
     assert (cwd / "mlflow.db").exists()
+    # the command (the MLflow thread of its train job, the progress display, the
+    # system-metrics monitor) leaves no thread of its own at its exit, only idle event
+    # loops; the jobs none in tracking, torch or matplotlib
+    records = [(json.loads(r.read_text())["argv"][0], r) for r in (cwd / "threads").glob("*")]
+    assert sorted(Path(a).name for a, _ in records) == [  # the command, and its three jobs
+        "aggregator_job.py", "diloco", "worker_job.py", "worker_job.py"], records
+    for argv0, record in records:
+        left = busy_threads(record)
+        if "_job.py" in argv0:  # a worker's status writer and stop timer: waiting, in Python
+            left = [t for t in left if any(
+                p in f for f in t["stack"] for p in ("/tracking/", "/torch/", "/matplotlib/"))]
+        assert not left, (argv0, left)
 
 
 @pytest.mark.slow

@@ -13,8 +13,11 @@ background thread per hooks object, done in order, retried with backoff while th
 is unreachable. `close()` waits a bounded time (``DILOCO_TRACKING_CLOSE_TIMEOUT``, 15 s)
 and logs a warning saying how many metrics, params, tags, artifacts (and runs) were not
 logged; it returns the counts, ``not_logged`` keeps them, and the train job writes its
-own into the summary artifact. A job whose ``close()`` runs while an exception
-propagates ends its run FAILED.
+own into the summary artifact. The thread then starts nothing more, and the process's
+exit waits for what it is in the middle of (a plot, the model's export, a request): a
+thread left in native code as the interpreter finalizes aborts the process
+(`tracking.exit_threads`). A job whose ``close()`` runs while an exception propagates
+ends its run FAILED.
 
 What a worker step pays does not depend on the server: the call hands its batch to
 MLflow's thread pool and returns, whether the server is slow or down (the hooks'
@@ -44,6 +47,7 @@ from typing import Any
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
 from tracking import parent_run
+from tracking.exit_threads import join_before_exit, join_thread
 from tracking.hooks import Hooks
 from tracking.metrics import (
     eval_metrics,
@@ -164,7 +168,7 @@ class MlflowHooks(Hooks):
         self.not_logged: dict[str, int] = {}
         self._thread = threading.Thread(target=self._loop, name=f"mlflow-{role}", daemon=True)
         self._thread.start()
-        atexit.register(self.close)
+        atexit.register(self._close_at_exit)
 
     # -- the Hooks API: each call hands over its data and returns -------------------
 
@@ -275,7 +279,7 @@ class MlflowHooks(Hooks):
             return self.not_logged
         self._closed = True
         with contextlib.suppress(Exception):
-            atexit.unregister(self.close)
+            atexit.unregister(self._close_at_exit)
         timeout = self.close_timeout if timeout is None else timeout
         # called from a `finally` while an exception propagates: the job failed
         failed = sys.exc_info()[0] is not None
@@ -284,7 +288,10 @@ class MlflowHooks(Hooks):
         self._closing.set()
         self._wake.set()
         self._thread.join(timeout)
-        self._abandoned.set()
+        self._abandoned.set()  # the thread starts nothing more: no task, no request
+        # what it is doing (a plot, the model's export, a request) ends before the
+        # interpreter finalizes, or the process may abort (tracking/exit_threads.py)
+        join_before_exit(self._thread)
         with self._lock:
             lost = Counter(self._dropped)
             for task in self._tasks:
@@ -299,6 +306,13 @@ class MlflowHooks(Hooks):
                 self.role, strip_credentials(self.links.uri or "no tracking URI yet"), what,
                 f" (last error: {self._last_error})" if self._last_error else "")
         return self.not_logged
+
+    def _close_at_exit(self) -> None:
+        """``atexit``: close, then wait for the thread (a hook registered from here
+        would never run)."""
+        self.close()
+        join_thread(self._thread)
+        self.monitors.join_all()
 
     def _task(self, task: _Task) -> None:
         with self._lock:
@@ -369,6 +383,8 @@ class MlflowHooks(Hooks):
 
     def _work(self) -> None:
         while True:
+            if self._abandoned.is_set():  # close() gave up on what is left
+                return
             with self._lock:
                 task = self._tasks[0] if self._tasks else None
             if task is None:
@@ -397,7 +413,7 @@ class MlflowHooks(Hooks):
             with contextlib.suppress(Permanent):  # its metrics are dropped and counted
                 self._require(key)
         self.sender.confirm()
-        self.sender.resend()
+        self.sender.resend(stop=self._abandoned.is_set)
 
     # -- runs ---------------------------------------------------------------------------
 

@@ -147,10 +147,11 @@ class MetricSender:
                 self.outage = True
                 self._hold(Held(key, lambda m=metrics: m, len(metrics)), oldest=True)
 
-    def resend(self) -> None:
+    def resend(self, stop: Callable[[], bool] | None = None) -> None:
         """Send the buffer, ``RESEND_BATCH`` metrics of one run at a time, and wait
-        for each answer. Raises on a failure a retry may fix (the batch stays)."""
-        while batch := self._take():
+        for each answer, until ``stop()`` says no more. Raises on a failure a retry
+        may fix (the batch stays)."""
+        while not (stop is not None and stop()) and (batch := self._take()):
             key = batch[0].key
             run_id = self._routes.get(key)
             if run_id is None:

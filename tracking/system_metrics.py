@@ -10,6 +10,8 @@ import logging
 import threading
 from typing import Any
 
+from tracking.exit_threads import join_before_exit, join_thread
+
 log = logging.getLogger(__name__)
 
 
@@ -19,6 +21,7 @@ class SystemMonitors:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._monitors: dict[str, Any] = {}
+        self._stopping: list[threading.Thread] = []
 
     def start(self, key: str, run_id: str, *, tracking_uri: str | None, resumed: bool) -> None:
         if not self.enabled or key in self._monitors:
@@ -43,11 +46,22 @@ class SystemMonitors:
         monitor = self._monitors.pop(key, None)
         if monitor is None:
             return
-        # finish() joins the sampling thread, which may be in a request: bounded
-        stopper = threading.Thread(target=monitor.finish, daemon=True)
+        # finish() joins the sampling thread, which may be in a request: bounded here,
+        # and the process's exit waits for the rest (tracking/exit_threads.py)
+        stopper = threading.Thread(target=monitor.finish, daemon=True,
+                                   name=f"stop-system-metrics-{key}")
         stopper.start()
         stopper.join(wait)
+        if stopper.is_alive():
+            self._stopping.append(stopper)
+            join_before_exit(stopper)
 
     def stop_all(self, wait: float) -> None:
+        self.enabled = False  # closing: none starts after this (a late run's thread)
         for key in list(self._monitors):
             self.stop(key, wait)
+
+    def join_all(self) -> None:
+        """At exit: wait for the monitors still stopping (`stop` gave up on them)."""
+        for stopper in self._stopping:
+            join_thread(stopper)
