@@ -179,7 +179,9 @@ def print_report(console: Console, report: dict[str, Any], *,
         what = "; ".join(f"{party}: " + ", ".join(f"{v} {k}" for k, v in sorted(c.items()))
                          for party, c in sorted(lost.items()))
         console.print(f"[yellow]MLflow did not get everything[/] (training was not "
-                      f"affected): not logged: {what}", highlight=False)
+                      f"affected): not logged: {what} (counted when the wait ended; a "
+                      "task then under way, such as the plots, still finishes before "
+                      "exit)", highlight=False)
     console.print()
     for label, value in where:
         # one line each, never wrapped: a hint is pasted as printed
