@@ -2,8 +2,9 @@
 
 - a joiner or a leaver SIGKILLed at every publish boundary of join and leave, then
   started again plain (a joined member restarts without ``--join``);
-- two joiners racing for one name;
-- a lease that lapses while its holder is only slow (SIGSTOP, then SIGCONT);
+- two joiners racing for one name, and a lease that lapses while its holder is only
+  slow (SIGSTOP, then SIGCONT): one run for both, the race at its start, the lapse in
+  its middle (fixture ``race_and_lapse``; each test checks its part);
 - the aggregator SIGKILLed and started again while a join is half done.
 
 Each ends with the run finished, the joiner admitted once, and `diloco.audit.audit`
@@ -75,15 +76,21 @@ class Where:
         return ObjectStore(self.url, storage_options=self.options)
 
 
-@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
-def where(request, tmp_path) -> Where:
-    """The local directory store, and S3 on the first local server (moto)."""
-    if request.param == "file":
+def where_for(request, kind: str, tmp_path: Path) -> Where:
+    """A fresh run's place: on the local directory store under ``tmp_path``, or on S3
+    on the first local server (moto)."""
+    if kind == "file":
         return Where(str(tmp_path / "run"), None, env_for())
     _endpoint, options = request.getfixturevalue("s3_endpoint")
     bucket = request.getfixturevalue("s3_bucket")
     env = request.getfixturevalue("s3_env")
     return Where(f"s3://{bucket}/elastic-{uuid.uuid4().hex[:10]}", options, env_for(**env))
+
+
+@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
+def where(request, tmp_path) -> Where:
+    """The local directory store, and S3 on the first local server (moto)."""
+    return where_for(request, request.param, tmp_path)
 
 
 #: on S3 each poll is a request (a listing or a GET) the S3 server and the job's client
@@ -269,12 +276,32 @@ def test_join_and_leave_killed_at_boundaries_on_s3(join_at, leave_at, data_url, 
     join_and_leave_trial(where, data_url, tmp_path, join_at, leave_at)
 
 
-# -- 2. two joiners racing for one name --------------------------------------------------
+# -- 2. two joiners racing for one name, 3. a lease that lapses while its holder is only
+# slow: one run for both (each alone paid a whole run's start and rounds: on S3 ~10 s of
+# CPU), the race at its start, the lapse in its middle; each test checks its own part
 
-def test_two_joiners_race_for_one_name(where, data_url, tmp_path):
-    """Both racers start together with the aggregator; the run's workers start once
-    the name is claimed, so the winner trains the whole (short) run with them."""
-    new_run(where, data_url, "train.steps=16", NO_CHECKPOINTS)
+class RaceAndLapse:
+    """What the shared run of the race and the lapsed lease left: its store, logs,
+    the racers' exit codes and outputs, and region-a's steps around the stop."""
+
+    def __init__(self, where: Where, logs: Path, codes: dict[str, int | None],
+                 outs: dict[str, tuple[str, str]], stopped_at: int, woke_at: int):
+        self.where, self.logs, self.codes, self.outs = where, logs, codes, outs
+        self.stopped_at, self.woke_at = stopped_at, woke_at
+
+
+@pytest.fixture(scope="module", params=["file", pytest.param("s3", marks=pytest.mark.s3)])
+def race_and_lapse(request, tmp_path_factory, data_url) -> RaceAndLapse:
+    """Two racers for one name start together with the aggregator; the run's workers
+    start once the name is claimed, so the winner trains the whole run with them.
+    Once region-b reached step 10 it is SIGSTOPped until region-a has gone 16 steps
+    (4 rounds of each fragment) further, then SIGCONT. 64 steps: the run goes on
+    after region-b wakes (at region-a's step ~30; one that wakes after the end exits
+    2, RunFinished). A lease of 2 s; a late send 2 rounds behind still applies."""
+    tmp_path = tmp_path_factory.mktemp(f"race-and-lapse-{request.param}")
+    where = where_for(request, request.param, tmp_path)
+    new_run(where, data_url, "sync.membership.max_staleness=2", "sync.liveness.lease_s=2",
+            NO_CHECKPOINTS)
     store = where.store()
     with Jobs(tmp_path / "logs", TRIAL_TIMEOUT) as jobs:
         jobs.start("aggregator", worker_argv(where.url, "aggregator"), where.env)
@@ -290,6 +317,17 @@ def test_two_joiners_race_for_one_name(where, data_url, tmp_path):
             until("the name was claimed", lambda: store.exists(layout.member(JOINER)), jobs)
             for name in ("region-a", "region-b"):
                 jobs.start(name, worker_argv(where.url, name), where.env)
+            until("region-b reached step 10", lambda: step_of(store, "region-b") >= 10,
+                  jobs)
+            victim = jobs.jobs["region-b"].proc
+            os.killpg(victim.pid, signal.SIGSTOP)
+            # from where the further of the two was: under load region-b may have been
+            # rounds ahead of region-a, whose next steps then needed nothing from it
+            stopped_at = max(step_of(store, "region-a"), step_of(store, "region-b"))
+            until("region-a went 16 steps on without region-b",
+                  lambda: step_of(store, "region-a") >= stopped_at + 16, jobs, timeout=90.0)
+            woke_at = step_of(store, "region-a")
+            os.killpg(victim.pid, signal.SIGCONT)
             for c, (p, streams) in racers.items():
                 p.wait(timeout=TRIAL_TIMEOUT)
                 outs[c] = tuple(path.read_text() for path in streams)
@@ -298,55 +336,42 @@ def test_two_joiners_race_for_one_name(where, data_url, tmp_path):
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
         jobs.wait()
-    racers = {c: p for c, (p, _) in racers.items()}
-    codes = {c: p.returncode for c, p in racers.items()}
+    codes = {c: p.returncode for c, (p, _) in racers.items()}
+    return RaceAndLapse(where, tmp_path / "logs", codes, outs, stopped_at, woke_at)
+
+
+def test_two_joiners_race_for_one_name(race_and_lapse):
+    """One racer wins the name and trains to the end; the other exits 2 with one
+    line ("taken") and writes nothing; the winner is admitted once and takes part."""
+    run = race_and_lapse
+    codes, outs = run.codes, run.outs
     assert sorted(codes.values()) == [0, 2], (codes, outs)
     winner = next(c for c, code in codes.items() if code == 0)
     loser = next(c for c, code in codes.items() if code == 2)
     err = outs[loser][1].strip().splitlines()
     assert len(err) == 1 and "taken" in err[0], outs[loser]
     assert outs[loser][0].strip() == "", outs[loser]
-    store = where.store()
+    store = run.where.store()
     record = read_json(store, layout.member(JOINER)) or {}
     assert record.get("claim") == winner, record
     assert json.loads(outs[winner][0].strip().splitlines()[-1])["state"] == "finished"
     assert not any(loser in store.get(k).decode(errors="replace")
                    for k in store.list("members/")), "the loser wrote a record"
-    check_clean(where, tmp_path / "logs")
+    check_clean(run.where, run.logs)
 
 
-# -- 3. a lease that lapses while its holder is only slow --------------------------------
-
-def test_a_lease_lapses_while_its_holder_is_stopped(where, data_url, tmp_path):
-    """region-b is SIGSTOPped mid-run until region-a has gone 16 steps (4 rounds of
-    each fragment) further, then SIGCONT: the rounds reduce without it meanwhile,
-    once its lease lapses (at most one lease after its last progress, the first
-    round that misses it waits for it: it was coming); what it sends when it wakes
-    is applied late once, dropped, or never sent (it heals); nothing is applied
-    twice. Counted in steps, not seconds: a region-a that waited for region-b never
-    gets there (the trial fails as hung). On S3 the lease is read from status
-    objects and the late send is a conditional PUT."""
-    new_run(where, data_url, "sync.membership.max_staleness=2", "sync.liveness.lease_s=2",
-            NO_CHECKPOINTS)
-    # 64 steps: the run goes on after region-b wakes (at region-a's step ~30; one that
-    # wakes after the end exits 2, RunFinished)
-    store = where.store()
-    with Jobs(tmp_path / "logs", TRIAL_TIMEOUT) as jobs:
-        for name in ("aggregator", "region-a", "region-b"):
-            jobs.start(name, worker_argv(where.url, name), where.env)
-        until("region-b reached step 10", lambda: step_of(store, "region-b") >= 10, jobs)
-        victim = jobs.jobs["region-b"].proc
-        os.killpg(victim.pid, signal.SIGSTOP)
-        # from where the further of the two was: under load region-b may have been
-        # rounds ahead of region-a, whose next steps then needed nothing from it
-        stopped_at = max(step_of(store, "region-a"), step_of(store, "region-b"))
-        until("region-a went 16 steps on without region-b",
-              lambda: step_of(store, "region-a") >= stopped_at + 16, jobs, timeout=90.0)
-        assert step_of(store, "region-a") > stopped_at + 4, "region-a waited for region-b"
-        os.killpg(victim.pid, signal.SIGCONT)
-        jobs.wait()
-    report = check_clean(where, tmp_path / "logs", joiner=None)
-    ex = open_run(where.url, where.options)
+def test_a_lease_lapses_while_its_holder_is_stopped(race_and_lapse):
+    """region-b, SIGSTOPped mid-run: the rounds reduce without it meanwhile, once its
+    lease lapses (at most one lease after its last progress, the first round that
+    misses it waits for it: it was coming); what it sends when it wakes is applied
+    late once, dropped, or never sent (it heals); nothing is applied twice. Counted
+    in steps, not seconds: a region-a that waited for region-b never gets 16 steps
+    further (the run fails as hung). On S3 the lease is read from status objects and
+    the late send is a conditional PUT."""
+    run = race_and_lapse
+    assert run.woke_at > run.stopped_at + 4, "region-a waited for region-b"
+    report = check_clean(run.where, run.logs, joiner=None)
+    ex = open_run(run.where.url, run.where.options)
     without = [(p, r) for p, n in enumerate(ex.manifest.rounds) for r in range(n)
                if "region-b" not in (ex.mean_commit(p, r) or {}).get("weights", {})]
     assert without, "no round was reduced without the stopped worker"
