@@ -86,6 +86,8 @@ PRIVATE_EXCEPTIONS = {
     ("flows/server.py", "base._instances"):
         "Prefect's registry of its server subprocesses; it has no public one, and "
         "tying the server to this process must replace its default entry",
+    ("tracking/exit_threads.py", "sys._current_frames"):
+        "the standard library's one way to read another thread's stack (documented)",
     ("tracking/parent_run.py", "meta.source._get_source_type"):
         "MLflow's Dataset entity needs the source type and DatasetSource offers it "
         "only so",

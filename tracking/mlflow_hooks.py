@@ -13,11 +13,10 @@ background thread per hooks object, done in order, retried with backoff while th
 is unreachable. `close()` waits a bounded time (``DILOCO_TRACKING_CLOSE_TIMEOUT``, 15 s)
 and logs a warning saying how many metrics, params, tags, artifacts (and runs) were not
 logged; it returns the counts, ``not_logged`` keeps them, and the train job writes its
-own into the summary artifact. The thread then starts nothing more, and the process's
-exit waits for what it is in the middle of (a plot, the model's export, a request): a
-thread left in native code as the interpreter finalizes aborts the process
-(`tracking.exit_threads`). A job whose ``close()`` runs while an exception propagates
-ends its run FAILED.
+own into the summary artifact. The thread then starts nothing more, and exit waits
+for what it is doing (a thread left in native code as the interpreter finalizes aborts
+the process: `tracking.exit_threads`). A job whose ``close()`` runs while an exception
+propagates ends its run FAILED.
 
 What a worker step pays does not depend on the server: the call hands its batch to
 MLflow's thread pool and returns, whether the server is slow or down (the hooks'
@@ -111,8 +110,7 @@ class MlflowHooks(Hooks):
     ``role``: "train" (creates the parent run and writes tracking.json),
     "worker:<name>" or "aggregator" (create or continue their child run).
     ``flush_every``: seconds between two looks of the thread at the metrics;
-    ``max_buffer``: metrics the outage buffer keeps (the oldest go first).
-    """
+    ``max_buffer``: metrics the outage buffer keeps (the oldest go first)."""
 
     def __init__(
         self,
@@ -289,9 +287,7 @@ class MlflowHooks(Hooks):
         self._wake.set()
         self._thread.join(timeout)
         self._abandoned.set()  # the thread starts nothing more: no task, no request
-        # what it is doing (a plot, the model's export, a request) ends before the
-        # interpreter finalizes, or the process may abort (tracking/exit_threads.py)
-        join_before_exit(self._thread)
+        join_before_exit(self._thread)  # what it is doing ends before the interpreter
         with self._lock:
             lost = Counter(self._dropped)
             for task in self._tasks:
@@ -308,8 +304,7 @@ class MlflowHooks(Hooks):
         return self.not_logged
 
     def _close_at_exit(self) -> None:
-        """``atexit``: close, then wait for the thread (a hook registered from here
-        would never run)."""
+        """``atexit``: close, then wait for the thread (a hook registered here never runs)."""
         self.close()
         join_thread(self._thread)
         self.monitors.join_all()
