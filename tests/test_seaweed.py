@@ -388,7 +388,9 @@ def test_a_run_on_local_s3_then_read_back_while_served(tmp_path, monkeypatch):
         assert not any("/ckpt/" in k for k in keys)
     finally:
         serve.send_signal(signal.SIGINT)
-        out, _ = serve.communicate(timeout=60)
+        # a hang guard: SeaweedFS gets 30 s for a clean stop, then SIGKILL (10 s); under a
+        # whole suite's load the stop outlasted a 60 s guard once
+        out, _ = serve.communicate(timeout=120)
     assert serve.returncode == 0, out
     assert url in out and "source runs/.seaweedfs/env" in out
     assert not (folder / "env").exists() and not (folder / "server.json").exists()
