@@ -87,6 +87,13 @@ def serve(
 ) -> None:
     """Serve the local-s3 store until Ctrl-C: read runs back, resume them, or let
     several commands share one server."""
+    stopped = threading.Event()
+    # first, and both explicitly: a Ctrl-C while the server starts (or the store is
+    # listed) was lost once, and the command served on; a shell that starts a command
+    # in the background hands it SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt for it
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopped.set())
     with local_s3(folder, purpose="serve", port=port) as store:
         console.print(describe(store), highlight=False)
         runs = store.runs()
@@ -94,11 +101,6 @@ def serve(
         console.print(f"in another shell:  source {shown(str(store.env_file))}", highlight=False)
         example = runs[-1] if runs else f"{store.url}/<run>"
         console.print(f"then, e.g.:        diloco status {example}", highlight=False)
-        stopped = threading.Event()
-        # both explicitly: a shell that starts a command in the background hands it
-        # SIGINT ignored, and Python then never raises KeyboardInterrupt for it
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: stopped.set())
         while not stopped.wait(1.0):
             if store.server is not None and not store.server.running():
                 raise fail(f"SeaweedFS stopped on its own; see "
