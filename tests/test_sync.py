@@ -254,30 +254,28 @@ def test_naive_delayed_trails_blocking_diloco_by_a_round():
     assert b[3:6] != n[3:6]  # after round 0's merge: blocking moved, naive restarted
 
 
-def test_synchronizer_resumes_exactly_from_its_state_dict():
-    """A worker restarted from state_dict() mid-run (a fragment in flight) continues
-    exactly as if it had not stopped."""
-    cfg = SyncConfig(
-        schedule={"mode": "streaming", "sync_every": 4, "fragments": 2, "overlap": 1, "alpha": 0.5},
-        codec={"up": "int4", "down": "int8", "block_size": 32},
-    )
-    plain = train_replicas(url(), Blocks, data, cfg, total_steps=14, inner_lr=0.05)
+_INT4_UP = {"up": "int4", "down": "int8", "block_size": 32}
+RESUMES = {
     # step 5 is fragment 0's send of round 1 (s = 2, tau = 1): in flight at the restart
-    resumed = train_replicas(url(), Blocks, data, cfg, total_steps=14, inner_lr=0.05,
-                             restart_at={"w0": 5, "w1": 8})
-    for w in ("w0", "w1"):
-        assert plain.traces[w].losses == resumed.traces[w].losses
-        assert torch.equal(_outer(plain, w), _outer(resumed, w))
+    "streaming": (SyncConfig(schedule={"mode": "streaming", "sync_every": 4, "fragments": 2,
+                                       "overlap": 1, "alpha": 0.5}, codec=_INT4_UP),
+                  {"w0": 5, "w1": 8}),
+    # naive delayed: the previous round's mean is owed (merged at step 2, applied at 6)
+    "naive-delayed": (SyncConfig(schedule={**EAGER_HP, "mode": "eager", "eager_rule": "naive"},
+                                 outer=EAGER_OUTER, codec=_INT4_UP),
+                      {"w0": 3, "w1": 9}),
+}
 
 
-def test_naive_delayed_resumes_exactly_with_a_mean_owed():
-    """Naive delayed restarted while the previous round's mean is owed (merged at
-    step 2, applied at step 6): the resumed worker applies it once, as before."""
-    cfg = SyncConfig(schedule={**EAGER_HP, "mode": "eager", "eager_rule": "naive"},
-                     outer=EAGER_OUTER, codec={"up": "int4", "down": "int8", "block_size": 32})
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_synchronizer_resumes_exactly_from_its_state_dict(name):
+    """A worker restarted from state_dict() mid-run (a fragment in flight; for naive
+    delayed, a mean still owed) continues exactly as if it had not stopped: what was
+    owed is applied once, as before."""
+    cfg, restart_at = RESUMES[name]
     plain = train_replicas(url(), Blocks, data, cfg, total_steps=14, inner_lr=0.05)
     resumed = train_replicas(url(), Blocks, data, cfg, total_steps=14, inner_lr=0.05,
-                             restart_at={"w0": 3, "w1": 9})
+                             restart_at=restart_at)
     for w in ("w0", "w1"):
         assert plain.traces[w].losses == resumed.traces[w].losses
         assert torch.equal(_outer(plain, w), _outer(resumed, w))
